@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU tier, one device call: the whole test suite on CUDA, `python -m flash_jvp check`, and
+# optionally the benchmark and config tuning. Logs go to $OUT (the device tool's output folder)
+# or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [check] [bench] [tune]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+steps=${*:-tests check}
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$out/gpu.txt"
+for step in $steps; do
+  case $step in
+    tests) python3 -m pytest tests -q -n 12 -p no:cacheprovider --durations=15 2>&1 \
+             | tee "$out/gpu-tests.txt" || status=1 ;;
+    check) python3 -m flash_jvp check --json "$out/check.json" 2>&1 \
+             | tee "$out/check.txt" || status=1 ;;
+    bench) python3 -m flash_jvp bench --out "$out" 2>&1 | tee "$out/bench-log.txt" || status=1 ;;
+    tune) python3 benchmarks/tune.py --out "$out/tune.json" 2>&1 | tee "$out/tune.txt" ;;
+    *) echo "unknown step $step"; status=2 ;;
+  esac
+done
+exit $status

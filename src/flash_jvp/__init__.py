@@ -1,0 +1,11 @@
+"""flash_jvp: fused Triton attention with forward-mode AD (JVP) and backward.
+
+``flash_jvp.attention`` (alias ``scaled_dot_product_attention``) is a drop-in for
+``torch.nn.functional.scaled_dot_product_attention`` that also works under
+``torch.func.jvp`` and ``torch.autograd.forward_ad``.
+"""
+
+from .api import attention, scaled_dot_product_attention, supports
+
+__version__ = "0.1.0"
+__all__ = ["attention", "scaled_dot_product_attention", "supports", "__version__"]

@@ -1,0 +1,272 @@
+"""``python -m flash_jvp bench``: flash_jvp against PyTorch's SDPA backends, side by side.
+
+FLOP convention (per forward, halved when causal): fwd = 4 B H Lq Lk E; fwd+JVP = 3 x fwd
+(QK^T, PV, Q_tK^T, QK_t^T, (P o S_t)V, PV_t) = 12 B H Lq Lk E; bwd = 2.5 x fwd;
+fwd+JVP+bwd = 5.5 x fwd; fwd+bwd = 3.5 x fwd. Times are medians of CUDA-event timings
+(``triton.testing.do_bench``); memory is the peak allocated during one call, inputs excluded.
+Each method's inputs are fresh random tensors; nothing is timed on zeros.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import attention
+from .cli import environment
+
+GIB = 2**30
+FLOP_FACTOR = {"fwd": 1.0, "fwd+jvp": 3.0, "bwd": 2.5, "fwd+jvp+bwd": 5.5, "fwd+bwd": 3.5}
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int
+    H: int
+    L: int
+    E: int
+    is_causal: bool
+    dtype: str = "bfloat16"
+
+    def flops(self, mode: str) -> float:
+        fwd = 4.0 * self.B * self.H * self.L * self.L * self.E
+        return fwd * FLOP_FACTOR[mode] * (0.5 if self.is_causal else 1.0)
+
+
+def shapes(quick: bool) -> list[Shape]:
+    lengths = (1024, 4096, 8192) if quick else (1024, 2048, 4096, 8192, 16384)
+    out = [Shape(4, 16, n, 64, False) for n in lengths]
+    out += [Shape(4, 16, n, 64, True) for n in lengths]
+    out += [Shape(4, 8, n, 128, False) for n in lengths]
+    return out
+
+
+def _tensors(s: Shape, requires_grad: bool):
+    dtype = getattr(torch, s.dtype)
+
+    def randn():
+        return torch.randn(s.B, s.H, s.L, s.E, device="cuda", dtype=dtype)
+
+    q, k, v = (randn().requires_grad_(requires_grad) for _ in range(3))
+    return q, k, v, tuple(randn() for _ in range(3)), randn()
+
+
+def _jvp(fn, s: Shape) -> Callable[[], object]:
+    q, k, v, tangents, _ = _tensors(s, False)
+    return lambda: torch.func.jvp(lambda q, k, v: fn(q, k, v, is_causal=s.is_causal), (q, k, v),
+                                  tangents)  # fmt: skip
+
+
+def _jvp_bwd(fn, s: Shape) -> Callable[[], object]:
+    """The sCM/MeanFlow step: a JVP, then backward of a loss on o (o_t enters detached)."""
+    q, k, v, tangents, do = _tensors(s, True)
+
+    def step():
+        o, o_t = torch.func.jvp(lambda q, k, v: fn(q, k, v, is_causal=s.is_causal), (q, k, v),
+                                tangents)  # fmt: skip
+        torch.autograd.grad(o, (q, k, v), do + o_t.detach())
+
+    return step
+
+
+def _fwd(fn, s: Shape) -> Callable[[], object]:
+    q, k, v, _, _ = _tensors(s, False)
+    return lambda: fn(q, k, v, is_causal=s.is_causal)
+
+
+def _fwd_bwd(fn, s: Shape) -> Callable[[], object]:
+    q, k, v, _, do = _tensors(s, True)
+    return lambda: torch.autograd.grad(fn(q, k, v, is_causal=s.is_causal), (q, k, v), do)
+
+
+def _bwd(fn, s: Shape) -> Callable[[], object]:
+    q, k, v, _, do = _tensors(s, True)
+    o = fn(q, k, v, is_causal=s.is_causal)
+    return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+
+def _backend(backend: SDPBackend):
+    def fn(q, k, v, is_causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    return fn
+
+
+# (method, mode, factory): each factory builds inputs and returns the callable to time.
+METHODS = (
+    ("flash_jvp", "fwd", lambda s: _fwd(attention, s)),
+    ("flash_jvp", "fwd+jvp", lambda s: _jvp(attention, s)),
+    ("flash_jvp", "bwd", lambda s: _bwd(attention, s)),
+    ("flash_jvp", "fwd+jvp+bwd", lambda s: _jvp_bwd(attention, s)),
+    ("sdpa_flash", "fwd", lambda s: _fwd(_backend(SDPBackend.FLASH_ATTENTION), s)),
+    ("sdpa_flash", "fwd+bwd", lambda s: _fwd_bwd(_backend(SDPBackend.FLASH_ATTENTION), s)),
+    ("sdpa_math", "fwd+jvp", lambda s: _jvp(_backend(SDPBackend.MATH), s)),
+)
+
+
+@dataclass
+class Row:
+    method: str
+    mode: str
+    B: int
+    H: int
+    L: int
+    E: int
+    is_causal: bool
+    dtype: str
+    ms: float
+    tflops: float
+    peak_gib: float
+
+
+def _measure(factory, s: Shape) -> tuple[float, float]:
+    """(median ms, peak GiB above the inputs) or (nan, nan) when out of memory."""
+    from triton.testing import do_bench
+
+    torch.cuda.empty_cache()
+    fn = None
+    try:
+        fn = factory(s)
+        fn()  # compile / warm up
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / GIB
+        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except torch.OutOfMemoryError:
+        return math.nan, math.nan
+    finally:
+        fn = None
+        torch.cuda.empty_cache()
+    return ms, peak
+
+
+def ratios(rows: list[Row]) -> list[dict]:
+    """Time ratios the performance targets are stated in, per shape."""
+    by = {(r.method, r.mode, r.B, r.H, r.L, r.E, r.is_causal): r for r in rows}
+    out = []
+    for r in rows:
+        if (r.method, r.mode) != ("flash_jvp", "fwd+jvp"):
+            continue
+        key = (r.B, r.H, r.L, r.E, r.is_causal)
+
+        def ms(method, mode, key=key):
+            row = by.get((method, mode, *key))
+            return row.ms if row else math.nan
+
+        out.append(
+            {
+                "B": r.B, "H": r.H, "L": r.L, "E": r.E, "is_causal": r.is_causal,
+                "fwd+jvp / flash fwd": ms("flash_jvp", "fwd+jvp") / ms("sdpa_flash", "fwd"),
+                "fwd+jvp+bwd / flash fwd+bwd":
+                    ms("flash_jvp", "fwd+jvp+bwd") / ms("sdpa_flash", "fwd+bwd"),
+                "fwd / flash fwd": ms("flash_jvp", "fwd") / ms("sdpa_flash", "fwd"),
+                "math jvp / fwd+jvp": ms("sdpa_math", "fwd+jvp") / ms("flash_jvp", "fwd+jvp"),
+            }
+        )  # fmt: skip
+    return out
+
+
+def _git_sha() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _markdown(meta: dict, rows: list[Row], ratio_rows: list[dict]) -> str:
+    lines = [f"# flash_jvp bench, {meta['date']}", "", "```", json.dumps(meta, indent=1), "```", ""]
+    lines += ["| method | mode | B | H | L | E | causal | ms | TFLOP/s | peak GiB |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"| {r.method} | {r.mode} | {r.B} | {r.H} | {r.L} | {r.E} | {r.is_causal} | "
+            f"{r.ms:.3f} | {r.tflops:.1f} | {r.peak_gib:.2f} |"
+        )
+    if ratio_rows:
+        keys = list(ratio_rows[0])
+        lines += ["", "Time ratios (lower is better for ours):", "",
+                  "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]  # fmt: skip
+        for rr in ratio_rows:
+            lines.append(
+                "| "
+                + " | ".join(f"{x:.2f}" if isinstance(x, float) else str(x) for x in rr.values())
+                + " |"  # fmt: skip
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[Row], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    panels = sorted({(r.E, r.is_causal) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (e, causal) in zip(axes[0], panels):
+        for method, mode in sorted({(r.method, r.mode) for r in rows}):
+            pts = [(r.L, r.tflops) for r in rows if (r.method, r.mode, r.E, r.is_causal) ==
+                   (method, mode, e, causal) and math.isfinite(r.tflops)]  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{method} {mode}")
+        ax.set(xscale="log", xlabel="L", ylabel="TFLOP/s", title=f"E={e} causal={causal}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_bench(out_dir: str, quick: bool, console: Console) -> int:
+    if not torch.cuda.is_available():
+        console.print("[red]bench needs a CUDA GPU")
+        return 2
+    rows = []
+    for s in shapes(quick):
+        for method, mode, factory in METHODS:
+            ms, peak = _measure(factory, s)
+            tflops = s.flops(mode) / (ms * 1e-3) / 1e12 if math.isfinite(ms) else math.nan
+            rows.append(Row(method, mode, s.B, s.H, s.L, s.E, s.is_causal, s.dtype, ms, tflops,
+                            peak))  # fmt: skip
+            console.print(
+                f"{method:>10} {mode:>12} B{s.B} H{s.H} L{s.L} E{s.E} causal={s.is_causal}: "
+                f"{ms:8.3f} ms {tflops:7.1f} TFLOP/s {peak:6.2f} GiB"
+            )
+    ratio_rows = ratios(rows)
+    table = Table(title="flash_jvp time ratios")
+    for key in ratio_rows[0]:
+        table.add_column(key)
+    for rr in ratio_rows:
+        table.add_row(*(f"{x:.2f}" if isinstance(x, float) else str(x) for x in rr.values()))
+    console.print(table)
+
+    date = dt.datetime.now(dt.timezone.utc)
+    meta = {"date": date.isoformat(timespec="seconds"), "git": _git_sha(), **environment()}
+    os.makedirs(out_dir, exist_ok=True)
+    gpu = meta.get("gpu", "gpu").replace("NVIDIA ", "").replace(" ", "-").lower()
+    stem = os.path.join(out_dir, f"{date:%Y-%m-%d}-{gpu}-bench")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "ratios": ratio_rows}, f,
+                  indent=1)  # fmt: skip
+    with open(stem + ".md", "w") as f:
+        f.write(_markdown(meta, rows, ratio_rows))
+    _plot(rows, stem + ".png")
+    console.print(f"wrote {stem}.json, .md, .png")
+    return 0

@@ -1,0 +1,242 @@
+"""Attention forward, with the forward-mode tangent (JVP) fused into the same pass.
+
+FlashAttention-2 online softmax (Dao, 2023, Alg. 1) over key blocks, one program per
+(query block, batch*head). With a tangent present the kernel also carries, per query row,
+
+    g     = rowsum(P o S_t)                (unnormalised, same running max as P)
+    acc_t = (P o S_t) V + P V_t            (the two tangent products share one accumulator)
+
+where S_t = scale * (Q_t K^T + Q K_t^T) is the tangent of the scores. At the end
+(l = rowsum P, O = acc / l):
+
+    O_t = acc_t / l - (g / l) * O
+
+which is the JVP of softmax(S) V: P_t = P o (S_t - rowsum(P o S_t)), O_t = P_t V + P V_t.
+Primal scores live in base 2 (scale * log2 e, so exp2 can be used); tangent scores use the
+plain scale. Only the primal running max is kept: the tangent terms are linear in P.
+Missing tangents are compile-time switches, so a primal-only call pays nothing for them.
+
+Rows whose every key is masked out get o = o_t = 0 and lse = -inf.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, key_range, load_tile, score_mask, store_tile
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc,
+    acc_t,
+    m_i,
+    l_i,
+    g_i,
+    q,
+    q_t,
+    offs_m,
+    k_base,
+    v_base,
+    k_t_base,
+    v_t_base,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    stride_ktn,
+    stride_ktd,
+    stride_vtn,
+    stride_vtd,
+    lo,
+    hi,
+    Lk,
+    qk_scale,
+    scale,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_Q_T: tl.constexpr,
+    HAS_K_T: tl.constexpr,
+    HAS_V_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, Lk, D, MASK, D != HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASK:
+            qk = tl.where(score_mask(offs_m, offs_n, Lk, IS_CAUSAL), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row with no visible key so far keeps m = -inf; use 0 so exp2 gives 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_base, offs_n, offs_dv, stride_vn, stride_vd, Lk, DV, MASK, DV != HEAD_DIM_V)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if HAS_Q_T or HAS_K_T or HAS_V_T:
+            acc_t = acc_t * alpha[:, None]
+        if HAS_Q_T or HAS_K_T:
+            if HAS_Q_T:
+                s_t = tl.dot(q_t, tl.trans(k), input_precision=DOT_PRECISION)
+                if HAS_K_T:
+                    k_t = load_tile(
+                        k_t_base,
+                        offs_n,
+                        offs_d,
+                        stride_ktn,
+                        stride_ktd,
+                        Lk,
+                        D,
+                        MASK,
+                        D != HEAD_DIM,
+                    )
+                    s_t = tl.dot(q, tl.trans(k_t), s_t, input_precision=DOT_PRECISION)
+            else:
+                k_t = load_tile(
+                    k_t_base, offs_n, offs_d, stride_ktn, stride_ktd, Lk, D, MASK, D != HEAD_DIM
+                )
+                s_t = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION)
+            p_s_t = p * (s_t * scale)  # masked keys have p = 0, so they add nothing
+            g_i = g_i * alpha + tl.sum(p_s_t, 1)
+            acc_t = tl.dot(p_s_t.to(v.dtype), v, acc_t, input_precision=DOT_PRECISION)
+        if HAS_V_T:
+            v_t = load_tile(
+                v_t_base, offs_n, offs_dv, stride_vtn, stride_vtd, Lk, DV, MASK, DV != HEAD_DIM_V
+            )
+            acc_t = tl.dot(p.to(v_t.dtype), v_t, acc_t, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, acc_t, m_i, l_i, g_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    Q_T,
+    K_T,
+    V_T,
+    O_T,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_qtb,
+    stride_qth,
+    stride_qtm,
+    stride_qtd,
+    stride_ktb,
+    stride_kth,
+    stride_ktn,
+    stride_ktd,
+    stride_vtb,
+    stride_vth,
+    stride_vtn,
+    stride_vtd,
+    stride_otb,
+    stride_oth,
+    stride_otm,
+    stride_otd,
+    scale,
+    H,
+    GROUP,
+    Lq,
+    Lk,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_Q_T: tl.constexpr,
+    HAS_K_T: tl.constexpr,
+    HAS_V_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """o = softmax(scale * q k^T) v and lse for one [BLOCK_M] query block; o_t too if tangents.
+
+    Grid: (cdiv(Lq, BLOCK_M), B * H). q/o: (B, H, Lq, D|DV), k/v: (B, H // GROUP, Lk, D|DV),
+    tangents shaped like their primals, lse: (B, H, Lq) float32, natural log. HEAD_DIM and
+    HEAD_DIM_V are D and DV rounded up to a power of two (>= 16); padding reads as zero.
+    """
+    TANGENT: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_V_T
+    start_m = tl.program_id(0) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    off_hk = off_h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    q = load_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True, D != HEAD_DIM)
+    q_t = q
+    if HAS_Q_T:
+        q_t_base = Q_T + off_b * stride_qtb + off_h * stride_qth
+        q_t = load_tile(
+            q_t_base, offs_m, offs_d, stride_qtm, stride_qtd, Lq, D, True, D != HEAD_DIM
+        )
+    k_t_base = K_T + off_b * stride_ktb + off_hk * stride_kth
+    v_t_base = V_T + off_b * stride_vtb + off_hk * stride_vth
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+    qk_scale = scale * LOG2E
+
+    full_end, end = key_range(start_m, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    # Stage 0: key blocks no row masks (unmasked loads, no where); stage 1: the rest.
+    for stage in tl.static_range(2):
+        lo = 0 if stage == 0 else full_end
+        hi = full_end if stage == 0 else end
+        acc, acc_t, m_i, l_i, g_i = _attn_fwd_inner(
+            acc, acc_t, m_i, l_i, g_i, q, q_t, offs_m,
+            k_base, v_base, k_t_base, v_t_base,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_ktn, stride_ktd, stride_vtn, stride_vtd,
+            lo, hi, Lk, qk_scale, scale,
+            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
+            HAS_Q_T, HAS_K_T, HAS_V_T, DOT_PRECISION,
+        )  # fmt: skip
+
+    inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # fully masked rows: o = 0
+    o = acc * inv_l[:, None]
+    o_base = O + off_b * stride_ob + off_h * stride_oh
+    store_tile(o_base, o.to(O.dtype.element_ty), offs_m, offs_dv, stride_om, stride_od, Lq, DV)
+    lse = (m_i + tl.math.log2(l_i)) * LN2
+    tl.store(LSE + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+    if TANGENT:
+        o_t = acc_t * inv_l[:, None]
+        if HAS_Q_T or HAS_K_T:
+            o_t -= (g_i * inv_l)[:, None] * o
+        o_t_base = O_T + off_b * stride_otb + off_h * stride_oth
+        store_tile(
+            o_t_base, o_t.to(O_T.dtype.element_ty), offs_m, offs_dv, stride_otm, stride_otd, Lq, DV
+        )

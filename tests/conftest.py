@@ -1,0 +1,60 @@
+"""Two tiers: CPU (kernels under TRITON_INTERPRET=1, tiny shapes; CI) and GPU (marker `gpu`)."""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+import torch
+from helpers import CUDA, DEVICE
+
+from flash_jvp import _ops, _utils
+
+# Fresh inputs every session; FLASH_JVP_SEED=<n> replays one.
+SEED = int(os.environ.get("FLASH_JVP_SEED", random.randrange(2**31)))
+
+
+def pytest_report_header(config):
+    path = "CUDA" if CUDA else ("Triton interpreter" if _utils.INTERPRET else "CPU fallback")
+    return f"flash_jvp: seed {SEED} (FLASH_JVP_SEED), device {DEVICE}, kernel path: {path}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every buffer flash_jvp allocates starts as NaN, so an unwritten element cannot pass."""
+    real = _ops._empty
+
+    def nan_empty(shape, like, dtype=None):
+        return real(shape, like, dtype).fill_(float("nan"))
+
+    monkeypatch.setattr(_ops, "_empty", nan_empty)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """fp32 means IEEE fp32 unless a test turns TF32 on itself."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old

@@ -1,0 +1,41 @@
+"""Shared test helpers (plain module; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from flash_jvp import _check
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+# bf16 only on the GPU: Triton's interpreter runs it but computes garbage.
+DTYPES = [torch.float16, torch.bfloat16, torch.float32] if CUDA else [torch.float16, torch.float32]
+DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def randn(*shape, dtype=torch.float32, device=DEVICE, std=1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=device, dtype=torch.float32) * std).to(dtype)
+
+
+def qkv(B, Hq, Hkv, Lq, Lk, E, Ev=None, dtype=torch.float32, std=1.0, device=DEVICE):
+    """q, k, v, their tangents and an output cotangent, all fresh random normal."""
+    Ev = E if Ev is None else Ev
+    q = randn(B, Hq, Lq, E, dtype=dtype, std=std, device=device)
+    k = randn(B, Hkv, Lk, E, dtype=dtype, std=std, device=device)
+    v = randn(B, Hkv, Lk, Ev, dtype=dtype, std=std, device=device)
+    tangents = tuple(randn(*x.shape, dtype=dtype, device=device) for x in (q, k, v))
+    do = randn(B, Hq, Lq, Ev, dtype=dtype, device=device)
+    return q, k, v, tangents, do
+
+
+def assert_matches_reference(fn, q, k, v, tangents, do, names=_check.NAMES, **kwargs):
+    """fn's o, o_t (torch.func.jvp) and dq, dk, dv pass the float64 rule of flash_jvp._check."""
+    comps = _check.check_outputs(fn, q, k, v, tangents, do, names=names, **kwargs)
+    _check.assert_ok(comps, f"q {tuple(q.shape)} {q.dtype} k {tuple(k.shape)} {kwargs}")
+    return comps
+
+
+def assert_close_rel(name, x, ref, tol):
+    """Relative error of x against ref (in float64) at most tol; NaN never passes."""
+    err = _check.rel_err(x, ref.detach().to(torch.float64))
+    assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.1e}"

@@ -1,0 +1,107 @@
+"""o, o_t, dq, dk, dv against float64 math SDPA over the shape matrix (both tiers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CUDA, DTYPE_IDS, DTYPES, assert_matches_reference, qkv
+
+import flash_jvp
+
+gpu = pytest.mark.gpu
+
+
+def case(B, Hq, Hkv, Lq, Lk, E, Ev=None, marks=(), **kw):
+    ev = "" if Ev is None else f"-Ev{Ev}"
+    extra = "".join(f"-{k}{v}" for k, v in kw.items())
+    return pytest.param(
+        (B, Hq, Hkv, Lq, Lk, E, Ev), kw, marks=marks,
+        id=f"B{B}-H{Hq}x{Hkv}-Lq{Lq}-Lk{Lk}-E{E}{ev}{extra}",
+    )  # fmt: skip
+
+
+SHAPES = [
+    # awkward lengths, square
+    *(case(1, 2, 2, n, n, 64) for n in (1, 17, 97, 128, 130)),
+    # Lq != Lk in both directions (causal stays top-left aligned)
+    case(1, 2, 2, 17, 130, 32),
+    case(1, 2, 2, 130, 17, 32),
+    case(2, 2, 2, 1, 33, 64),
+    case(2, 2, 2, 33, 1, 64),
+    # GQA / MQA
+    case(1, 2, 1, 40, 40, 32),
+    case(1, 4, 2, 65, 33, 32),
+    case(2, 4, 1, 33, 65, 16),
+    # head dims: padded tiles, value dim != query dim, tiny
+    case(1, 2, 2, 48, 48, 8),
+    case(1, 2, 2, 48, 48, 72),
+    case(1, 2, 2, 48, 48, 96),
+    case(1, 2, 2, 48, 48, 64, Ev=128),
+    case(1, 2, 2, 48, 48, 72, Ev=40),
+    # custom scale, large-magnitude inputs
+    case(1, 2, 2, 64, 64, 64, scale=0.3),
+    case(1, 2, 2, 64, 64, 32, scale=2.0),
+    # GPU only: long sequences, many heads
+    case(2, 8, 8, 1025, 1025, 64, marks=gpu),
+    case(1, 4, 4, 4096, 4096, 128, marks=gpu),
+    case(1, 8, 2, 2048, 1000, 128, marks=gpu),
+    case(1, 2, 2, 8192, 8192, 64, marks=gpu),
+    case(4, 16, 16, 256, 256, 72, marks=gpu),
+    case(1, 4, 4, 1000, 1000, 160, marks=gpu),
+    case(1, 4, 4, 1000, 1000, 256, marks=gpu),
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("shape,kw", SHAPES)
+def test_matches_float64_reference(shape, kw, dtype, is_causal):
+    B, Hq, Hkv, Lq, Lk, E, Ev = shape
+    q, k, v, tangents, do = qkv(B, Hq, Hkv, Lq, Lk, E, Ev, dtype=dtype)
+    assert_matches_reference(
+        flash_jvp.attention, q, k, v, tangents, do, is_causal=is_causal,
+        enable_gqa=Hq != Hkv, **kw,
+    )  # fmt: skip
+
+
+# On the CPU, math SDPA in fp16 computes in fp32 inside, which no fp16 flash kernel matches
+# once scores reach ~100: fp16 is judged on the GPU, where torch rounds like we do.
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES if CUDA else [torch.float32], ids=DTYPE_IDS.get)
+def test_large_magnitude_inputs(dtype, is_causal):
+    """Inputs with std 10: logits of order 100, an almost one-hot softmax."""
+    q, k, v, tangents, do = qkv(1, 2, 2, 64, 64, 64, dtype=dtype, std=10.0)
+    assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_leading_batch_dims_and_3d(dtype):
+    """(N, ..., H, L, E) with several batch dims, and (N, L, E), as SDPA accepts."""
+    q, k, v, tangents, do = qkv(6, 2, 2, 33, 40, 32, dtype=dtype)
+    shape5 = (2, 3, 2)
+    five = [x.reshape(*shape5, *x.shape[2:]) for x in (q, k, v)]
+    t5 = tuple(t.reshape(*shape5, *t.shape[2:]) for t in tangents)
+    assert_matches_reference(flash_jvp.attention, *five, t5, do.reshape(*shape5, 33, 32))
+    three = [x[0] for x in (q, k, v)]
+    assert_matches_reference(
+        flash_jvp.attention, *three, tuple(t[0] for t in tangents), do[0], is_causal=True
+    )
+
+
+def test_empty_batch_gives_empty_output(device):
+    q, k, v, _, _ = qkv(0, 2, 2, 16, 16, 32)
+    o = flash_jvp.attention(q.requires_grad_(), k, v)
+    assert o.shape == (0, 2, 16, 32)
+    o.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_forward_is_deterministic():
+    q, k, v, _, do = qkv(1, 2, 2, 77, 77, 64)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    runs = []
+    for _ in range(2):
+        o = flash_jvp.attention(*leaves, is_causal=True)
+        runs.append((o, *torch.autograd.grad(o, leaves, do)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

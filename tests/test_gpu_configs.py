@@ -1,0 +1,41 @@
+"""Every launch configuration the launchers can pick is correct (tuned configs can race)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DTYPE_IDS, assert_matches_reference, qkv
+
+import flash_jvp
+from flash_jvp import _ops
+from flash_jvp.kernels import configs
+
+pytestmark = pytest.mark.gpu
+
+
+def _force_candidate(monkeypatch, index: int) -> None:
+    """Make each kernel's candidate list just its `index`-th entry (the last if shorter)."""
+    for name in ("fwd", "bwd_dkdv", "bwd_dq"):
+        original = getattr(configs, name)
+
+        def only(*args, original=original):
+            cands = original(*args)
+            return [cands[min(index, len(cands) - 1)]]
+
+        monkeypatch.setattr(configs, name, only)
+    monkeypatch.setattr(_ops, "_CHOSEN", {})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("E", [64, 128, 256])
+@pytest.mark.parametrize("index", range(4))
+def test_candidate_config(monkeypatch, dtype, E, index):
+    _force_candidate(monkeypatch, index)
+    q, k, v, tangents, do = qkv(2, 3, 3, 300, 333, E, dtype=dtype)
+    for is_causal in (False, True):
+        try:
+            assert_matches_reference(
+                flash_jvp.attention, q, k, v, tangents, do, is_causal=is_causal
+            )
+        except NotImplementedError as err:  # does not fit this GPU: the launcher says so
+            assert "no launch configuration" in str(err)

@@ -1,0 +1,107 @@
+"""Every error path: a clear exception naming the argument, raised before any launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CUDA, DEVICE, randn
+
+import flash_jvp
+from flash_jvp import _ops, _utils
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    """Validation must reject before a kernel is launched."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel was launched for invalid input")
+
+    monkeypatch.setattr(_ops, "attn_fwd", refuse)
+
+
+def t(*shape, dtype=torch.float32, device=DEVICE):
+    return randn(*shape, dtype=dtype, device=device)
+
+
+BAD = [
+    ("not-a-tensor", lambda: ([[1.0]], t(1, 2, 8, 16), t(1, 2, 8, 16)), {}, TypeError,
+     "Expected query to be a torch.Tensor"),
+    ("2d", lambda: (t(8, 16), t(8, 16), t(8, 16)), {}, ValueError,
+     r"at least 3 dimensions .*query of shape \(8, 16\)"),
+    ("dtype-mismatch", lambda: (t(1, 2, 8, 16), t(1, 2, 8, 16, dtype=torch.float16),
+                                t(1, 2, 8, 16)), {}, ValueError,
+     "same dtype, but got query.dtype: torch.float32, key.dtype: torch.float16"),
+    ("batch-mismatch", lambda: (t(2, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)), {},
+     ValueError, r"same batch dimensions .*query \(2, 2, 8, 16\)"),
+    ("ndim-mismatch", lambda: (t(1, 2, 8, 16), t(2, 8, 16), t(2, 8, 16)), {}, ValueError,
+     "same batch dimensions"),
+    ("kv-length-mismatch", lambda: (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 9, 16)), {},
+     ValueError, r"key and value to have the same number of heads and length"),
+    ("head-dim-mismatch", lambda: (t(1, 2, 8, 16), t(1, 2, 8, 32), t(1, 2, 8, 16)), {},
+     ValueError, "same head_dim"),
+    ("heads-without-gqa", lambda: (t(1, 4, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)), {},
+     ValueError, "query has 4, key/value 2.*enable_gqa=True"),
+    ("heads-not-multiple", lambda: (t(1, 3, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)),
+     {"enable_gqa": True}, ValueError, r"query heads \(3\) must be a multiple"),
+    ("empty-key", lambda: (t(1, 2, 8, 16), t(1, 2, 0, 16), t(1, 2, 0, 16)), {}, ValueError,
+     "key to have length >= 1"),
+    ("integer-dtype", lambda: tuple(torch.ones(1, 2, 8, 16, dtype=torch.int32, device=DEVICE)
+                                    for _ in range(3)), {}, TypeError, "floating-point query"),
+    ("head-dim-too-big", lambda: (t(1, 2, 8, 300), t(1, 2, 8, 300), t(1, 2, 8, 300)), {},
+     NotImplementedError, "head_dim 300 is not supported; supported head dims are 1 to 256"),
+    ("value-head-dim-too-big", lambda: (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 512)), {},
+     NotImplementedError, "value head_dim 512"),
+    ("mask", lambda: (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)),
+     {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, NotImplementedError,
+     r"attn_mask is not supported yet \(got a mask of shape \(8, 8\)\)"),
+    ("dropout", lambda: (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)), {"dropout_p": 0.1},
+     NotImplementedError, "dropout_p=0.1 is not supported"),
+    ("dropout-range", lambda: (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)),
+     {"dropout_p": 1.5}, ValueError, r"dropout_p in \[0, 1\]"),
+    ("is-causal-type", lambda: (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)),
+     {"is_causal": "yes"}, TypeError, "is_causal to be a bool"),
+    ("scale-type", lambda: (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)), {"scale": "0.1"},
+     TypeError, "scale to be None or a real number"),
+]  # fmt: skip
+
+
+KERNEL_ONLY = {"head-dim-too-big", "value-head-dim-too-big"}  # the fallback has no such limit
+
+
+@pytest.mark.parametrize("name,make,kwargs,exc,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_clear_error(name, make, kwargs, exc, match):
+    if name in KERNEL_ONLY and not _utils.uses_kernels(torch.device(DEVICE)):
+        pytest.skip("a limit of the Triton kernels; the CPU fallback has none")
+    q, k, v = make()
+    with pytest.raises(exc, match=match):
+        flash_jvp.attention(q, k, v, **kwargs)
+    assert flash_jvp.supports(q, k, v, **kwargs), "supports() must report the same problem"
+
+
+def test_supports_is_empty_for_good_input():
+    q = t(1, 2, 8, 16)
+    assert flash_jvp.supports(q, q, q, is_causal=True) == []
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's dtype limits are a CPU-tier matter")
+def test_bfloat16_under_interpreter_is_refused():
+    if not _utils.INTERPRET:
+        pytest.skip("only the interpreter refuses bf16; the fallback runs it")
+    q = t(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="not supported by Triton's CPU interpreter"):
+        flash_jvp.attention(q, q, q)
+
+
+@pytest.mark.gpu
+def test_float64_on_cuda_is_refused():
+    q = t(1, 2, 8, 16, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="torch.float64 .* supported dtypes are"):
+        flash_jvp.attention(q, q, q)
+
+
+@pytest.mark.gpu
+def test_device_mismatch():
+    q = t(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="same device"):
+        flash_jvp.attention(q, q.cpu(), q)
