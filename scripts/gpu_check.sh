@@ -14,8 +14,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   | tee -a "$out/gpu.txt"
 for step in $steps; do
   case $step in
-    tests) python3 -m pytest tests -q -n 12 -p no:cacheprovider --durations=15 2>&1 \
-             | tee "$out/gpu-tests.txt" || status=1 ;;
+    tests) timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest tests -q -n 14 -p no:cacheprovider \
+             --durations=15 2>&1 | tee "$out/gpu-tests.txt" || status=1 ;;
     check) python3 -m flash_jvp check --json "$out/check.json" 2>&1 \
              | tee "$out/check.txt" || status=1 ;;
     bench) python3 -m flash_jvp bench --out "$out" 2>&1 | tee "$out/bench-log.txt" || status=1 ;;

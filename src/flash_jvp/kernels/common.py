@@ -3,8 +3,8 @@
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # 1 / ln 2: scores are kept in base 2 so exp2 can be used
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln 2: scores are kept in base 2 for exp2
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
