@@ -51,9 +51,9 @@ def fwd(head_dim: int, dtype: torch.dtype, tangent: bool) -> list[Config]:
     if dtype == torch.float32:  # IEEE fp32 dots are FMA loops: small tiles or heavy spills
         best = [Config(32, 16, 4, 1)] if tangent else [Config(32, 32, 4, 1)]
     elif head_dim <= 64:
-        best = [Config(128, 64, 8, 2)] if tangent else [Config(128, 64, 4, 3)]
+        best = [Config(64, 64, 4, 3)]
     elif head_dim <= 128:
-        best = [Config(128, 32, 8, 2)] if tangent else [Config(128, 64, 8, 3)]
+        best = [Config(128, 64, 8, 2)] if tangent else [Config(64, 64, 4, 3)]
     else:
         best = [Config(64, 32, 4, 1)] if tangent else [Config(64, 32, 4, 2)]
     return best + _fallbacks(head_dim)
@@ -67,7 +67,7 @@ def bwd_dkdv(head_dim: int, dtype: torch.dtype) -> list[Config]:
     elif head_dim <= 64:
         best = [Config(32, 128, 4, 3)]
     elif head_dim <= 128:
-        best = [Config(32, 128, 8, 2)]
+        best = [Config(32, 64, 4, 3)]
     else:
         best = [Config(32, 64, 4, 1)]
     return best + _fallbacks(head_dim)
@@ -79,9 +79,9 @@ def bwd_dq(head_dim: int, dtype: torch.dtype) -> list[Config]:
     if dtype == torch.float32:
         best = [Config(32, 16, 4, 1)]
     elif head_dim <= 64:
-        best = [Config(128, 32, 4, 3)]
+        best = [Config(128, 64, 8, 3)]
     elif head_dim <= 128:
-        best = [Config(128, 32, 8, 2)]
+        best = [Config(64, 64, 4, 2)]
     else:
         best = [Config(64, 32, 4, 2)]
     return best + _fallbacks(head_dim)

@@ -1,17 +1,20 @@
 """Attention forward, with the forward-mode tangent (JVP) fused into the same pass.
 
 FlashAttention-2 online softmax (Dao, 2023, Alg. 1) over key blocks, one program per
-(query block, batch*head). With a tangent present the kernel also carries, per query row,
+(query block, batch*head). The JVP of O = softmax(S) V along S_t = scale (Q_t K^T + Q K_t^T)
+and V_t is
 
-    g     = rowsum(P o S_t)                (unnormalised, same running max as P)
-    acc_t = (P o S_t) V + P V_t            (the two tangent products share one accumulator)
+    O_t = P_t V + P V_t,   P_t = P o (S_t - mu),   mu = rowsum(P o S_t) / rowsum(P).
 
-where S_t = scale * (Q_t K^T + Q K_t^T) is the tangent of the scores. At the end
-(l = rowsum P, O = acc / l):
+With a tangent present the kernel also carries, per query row (unnormalised, under the same
+running max as P): g = rowsum(P o S_t), its running mean mu = g / l, and one accumulator
 
-    O_t = acc_t / l - (g / l) * O
+    acc_t = (P o (S_t - mu)) V + P V_t.
 
-which is the JVP of softmax(S) V: P_t = P o (S_t - rowsum(P o S_t)), O_t = P_t V + P V_t.
+When a block moves mu, the part already summed is re-centred with the primal accumulator
+(acc_t -= (mu_new - mu_old) * acc), so at the end O_t = acc_t / l exactly. Centring as we go
+keeps the products small for peaked rows; the textbook split (P o S_t) V - mu * O cancels
+catastrophically there in fp16/bf16.
 Primal scores live in base 2 (scale * log2 e, so exp2 can be used); tangent scores use the
 plain scale. Only the primal running max is kept: the tangent terms are linear in P.
 Missing tangents are compile-time switches, so a primal-only call pays nothing for them.
@@ -32,6 +35,7 @@ def _attn_fwd_inner(
     m_i,
     l_i,
     g_i,
+    mu_i,
     q,
     q_t,
     offs_m,
@@ -79,7 +83,7 @@ def _attn_fwd_inner(
         p = tl.math.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_base, offs_n, offs_dv, stride_vn, stride_vd, Lk, DV, MASK, DV != HEAD_DIM_V)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None]
         if HAS_Q_T or HAS_K_T or HAS_V_T:
             acc_t = acc_t * alpha[:, None]
         if HAS_Q_T or HAS_K_T:
@@ -87,32 +91,32 @@ def _attn_fwd_inner(
                 s_t = tl.dot(q_t, tl.trans(k), input_precision=DOT_PRECISION)
                 if HAS_K_T:
                     k_t = load_tile(
-                        k_t_base,
-                        offs_n,
-                        offs_d,
-                        stride_ktn,
-                        stride_ktd,
-                        Lk,
-                        D,
-                        MASK,
+                        k_t_base, offs_n, offs_d, stride_ktn, stride_ktd, Lk, D, MASK,
                         D != HEAD_DIM,
-                    )
+                    )  # fmt: skip
                     s_t = tl.dot(q, tl.trans(k_t), s_t, input_precision=DOT_PRECISION)
             else:
                 k_t = load_tile(
                     k_t_base, offs_n, offs_d, stride_ktn, stride_ktd, Lk, D, MASK, D != HEAD_DIM
                 )
                 s_t = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION)
-            p_s_t = p * (s_t * scale)  # masked keys have p = 0, so they add nothing
-            g_i = g_i * alpha + tl.sum(p_s_t, 1)
+            s_t = s_t * scale
+            g_i = g_i * alpha + tl.sum(p * s_t, 1)  # masked keys have p = 0: they add nothing
+            # Centre on the running mean mu = g / l, re-centring what is already summed, so
+            # the products stay small when softmax is peaked (no cancellation at the end).
+            mu_new = g_i / tl.where(l_i == 0.0, 1.0, l_i)
+            acc_t -= (mu_new - mu_i)[:, None] * acc
+            p_s_t = p * (s_t - mu_new[:, None])
             acc_t = tl.dot(p_s_t.to(v.dtype), v, acc_t, input_precision=DOT_PRECISION)
+            mu_i = mu_new
         if HAS_V_T:
             v_t = load_tile(
                 v_t_base, offs_n, offs_dv, stride_vtn, stride_vtd, Lk, DV, MASK, DV != HEAD_DIM_V
             )
             acc_t = tl.dot(p.to(v_t.dtype), v_t, acc_t, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, acc_t, m_i, l_i, g_i
+    return acc, acc_t, m_i, l_i, g_i, mu_i
 
 
 @triton.jit
@@ -207,6 +211,7 @@ def attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     g_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    mu_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     qk_scale = scale * LOG2E
@@ -216,8 +221,8 @@ def attn_fwd_kernel(
     for stage in tl.static_range(2):
         lo = 0 if stage == 0 else full_end
         hi = full_end if stage == 0 else end
-        acc, acc_t, m_i, l_i, g_i = _attn_fwd_inner(
-            acc, acc_t, m_i, l_i, g_i, q, q_t, offs_m,
+        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_inner(
+            acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
             k_base, v_base, k_t_base, v_t_base,
             stride_kn, stride_kd, stride_vn, stride_vd,
             stride_ktn, stride_ktd, stride_vtn, stride_vtd,
@@ -234,8 +239,6 @@ def attn_fwd_kernel(
     tl.store(LSE + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
     if TANGENT:
         o_t = acc_t * inv_l[:, None]
-        if HAS_Q_T or HAS_K_T:
-            o_t -= (g_i * inv_l)[:, None] * o
         o_t_base = O_T + off_b * stride_otb + off_h * stride_oth
         store_tile(
             o_t_base, o_t.to(O_T.dtype.element_ty), offs_m, offs_dv, stride_otm, stride_otd, Lq, DV
