@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.autograd import forward_ad as fwAD
 
 from . import _ops, reference
 
@@ -77,19 +78,22 @@ class FlashAttnJVP(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, gq, gk, gv, *_):
         q, k, v, q_t, k_t, v_t, o_t = ctx.saved_tensors
-        if o_t is None or gq is not q_t or gk is not k_t or gv is not v_t:
-            if gq is None and gk is None and gv is None:
-                o_t = q.new_zeros(()).expand(*q.shape[:-1], v.shape[-1])
-            elif _kernel_ready(q, k, v, gq, gk, gv):
-                o_t = _ops.attn_fwd(q, k, v, gq, gk, gv, ctx.scale, ctx.is_causal)[1]
-            else:
-                return _jvp_result(
-                    ctx, reference.attention_jvp(q, k, v, gq, gk, gv, ctx.scale, ctx.is_causal)
-                )
-        return _jvp_result(ctx, _TangentNoGrad.apply(o_t.detach(), q, k, v, gq, gk, gv))
+        if o_t is not None and gq is q_t and gk is k_t and gv is v_t:
+            # The forward's own o_t output without its (zero) tangent: reverse mode through
+            # it reaches our backward, which refuses instead of returning silent zeros.
+            return _jvp_result(ctx, fwAD.unpack_dual(o_t).primal)
+        if gq is None and gk is None and gv is None:
+            return _jvp_result(ctx, q.new_zeros(()).expand(*q.shape[:-1], v.shape[-1]))
+        if _kernel_ready(q, k, v, gq, gk, gv):
+            o_t = _ops.attn_fwd(q, k, v, gq, gk, gv, ctx.scale, ctx.is_causal)[1]
+            return _jvp_result(ctx, _TangentNoGrad.apply(o_t, q, k, v, gq, gk, gv))
+        o_t = reference.attention_jvp(q, k, v, gq, gk, gv, ctx.scale, ctx.is_causal)
+        return _jvp_result(ctx, o_t)
 
     @staticmethod
-    def backward(ctx, do, *_):
+    def backward(ctx, do, dlse=None, do_t=None):
+        if do_t is not None:
+            raise NotImplementedError(_NO_TANGENT_GRAD)
         q, k, v, o, lse = ctx.saved_tensors
         if do is None:
             return (None,) * 8
@@ -148,12 +152,16 @@ class AttnBackward(torch.autograd.Function):
         return _unfold(AttnBackward.apply(*_fold(args, in_dims, info.batch_size)), info.batch_size)
 
 
-class _TangentNoGrad(torch.autograd.Function):
-    """Passes o_t through; reverse mode through it raises instead of giving silent zeros.
+_NO_TANGENT_GRAD = (
+    "flash_jvp: backpropagating through the JVP tangent o_t is not supported yet. Detach the "
+    "tangent in the loss (as sCM/MeanFlow losses do: o_t.detach()), or use "
+    "flash_jvp.reference.attention_ref for a differentiable tangent."
+)
 
-    The fused kernel's o_t is not differentiable yet, so a loss on an undetached tangent (its
-    gradient w.r.t. q, k, v or their tangents) must not come back as zero.
-    """
+
+class _TangentNoGrad(torch.autograd.Function):
+    """Passes a recomputed o_t through; reverse mode through it raises instead of giving
+    silent zeros (the fused kernel's o_t is not differentiable yet)."""
 
     generate_vmap_rule = True
 
@@ -167,8 +175,4 @@ class _TangentNoGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError(
-            "flash_jvp: backpropagating through the JVP tangent o_t is not supported yet. "
-            "Detach the tangent in the loss (as sCM/MeanFlow losses do: o_t.detach()), or use "
-            "flash_jvp.reference.attention_ref for a differentiable tangent."
-        )
+        raise NotImplementedError(_NO_TANGENT_GRAD)

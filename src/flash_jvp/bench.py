@@ -13,7 +13,6 @@ import datetime as dt
 import json
 import math
 import os
-import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -24,7 +23,7 @@ from rich.table import Table
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import attention
-from .cli import environment
+from ._env import environment
 
 GIB = 2**30
 FLOP_FACTOR = {"fwd": 1.0, "fwd+jvp": 3.0, "bwd": 2.5, "fwd+jvp+bwd": 5.5, "fwd+bwd": 3.5}
@@ -181,15 +180,6 @@ def ratios(rows: list[Row]) -> list[dict]:
     return out
 
 
-def _git_sha() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _markdown(meta: dict, rows: list[Row], ratio_rows: list[dict]) -> str:
     lines = [f"# flash_jvp bench, {meta['date']}", "", "```", json.dumps(meta, indent=1), "```", ""]
     lines += ["| method | mode | B | H | L | E | causal | ms | TFLOP/s | peak GiB |",
@@ -258,7 +248,7 @@ def run_bench(out_dir: str, quick: bool, console: Console) -> int:
     console.print(table)
 
     date = dt.datetime.now(dt.timezone.utc)
-    meta = {"date": date.isoformat(timespec="seconds"), "git": _git_sha(), **environment()}
+    meta = {"date": date.isoformat(timespec="seconds"), **environment()}
     os.makedirs(out_dir, exist_ok=True)
     gpu = meta.get("gpu", "gpu").replace("NVIDIA ", "").replace(" ", "-").lower()
     stem = os.path.join(out_dir, f"{date:%Y-%m-%d}-{gpu}-bench")

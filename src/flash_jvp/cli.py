@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from dataclasses import asdict, dataclass
 
@@ -13,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _check, _utils, attention
+from ._env import environment
 
 
 @dataclass(frozen=True)
@@ -78,20 +78,6 @@ def path_name(device: str) -> str:
     if _utils.uses_kernels(torch.device(device)):
         return "Triton kernels under TRITON_INTERPRET=1 (CPU)"
     return "pure-PyTorch fallback (CPU, no TRITON_INTERPRET)"
-
-
-def environment() -> dict:
-    import importlib.metadata as md
-
-    env = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        env["triton"] = md.version("triton")
-    except md.PackageNotFoundError:
-        env["triton"] = None
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    return env
 
 
 def run_check(device: str, seed: int, console: Console) -> list[dict]:
