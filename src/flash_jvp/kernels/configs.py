@@ -36,55 +36,50 @@ class Config:
 
 
 _INTERPRETER = [Config(32, 16, 4, 1)]
+# Ever smaller tiles, tried only if the chosen one does not fit; the last fits any supported
+# head dim and dtype.
+_FALLBACKS = [Config(32, 32, 4, 1), Config(16, 16, 4, 1)]
+
+# kernel -> {bucket: config}; bucket: "fp32", or the largest head-dim tile it covers.
+# IEEE fp32 dots are FMA loops, hence the small fp32 tiles (larger ones spill heavily).
+_BEST = {
+    "fwd": {
+        "fp32": Config(32, 32, 4, 1), 64: Config(64, 64, 4, 3),
+        128: Config(64, 64, 4, 3), 256: Config(64, 32, 4, 2),
+    },
+    "fwd+jvp": {
+        "fp32": Config(32, 16, 4, 1), 64: Config(64, 64, 4, 3),
+        128: Config(128, 64, 8, 2), 256: Config(64, 32, 4, 1),
+    },
+    "bwd_dkdv": {
+        "fp32": Config(16, 32, 4, 1), 64: Config(32, 128, 4, 3),
+        128: Config(32, 64, 4, 3), 256: Config(32, 64, 4, 1),
+    },
+    "bwd_dq": {
+        "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3),
+        128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2),
+    },
+}  # fmt: skip
 
 
-def _fallbacks(head_dim: int) -> list[Config]:
-    """Ever smaller tiles, tried only if the ones before do not fit: the last fits any
-    supported head dim and dtype."""
-    return [Config(32, 32, 4, 1), Config(16, 16, 4, 1)]
+def _candidates(kernel: str, head_dim: int, dtype: torch.dtype) -> list[Config]:
+    if INTERPRET:
+        return _INTERPRETER
+    bucket = "fp32" if dtype == torch.float32 else next(b for b in (64, 128, 256) if head_dim <= b)
+    return [_BEST[kernel][bucket]] + _FALLBACKS
 
 
 def fwd(head_dim: int, dtype: torch.dtype, tangent: bool) -> list[Config]:
     """Forward candidates; `tangent` means the fused JVP variant (two more accumulators)."""
-    if INTERPRET:
-        return _INTERPRETER
-    if dtype == torch.float32:  # IEEE fp32 dots are FMA loops: small tiles or heavy spills
-        best = [Config(32, 16, 4, 1)] if tangent else [Config(32, 32, 4, 1)]
-    elif head_dim <= 64:
-        best = [Config(64, 64, 4, 3)]
-    elif head_dim <= 128:
-        best = [Config(128, 64, 8, 2)] if tangent else [Config(64, 64, 4, 3)]
-    else:
-        best = [Config(64, 32, 4, 1)] if tangent else [Config(64, 32, 4, 2)]
-    return best + _fallbacks(head_dim)
+    return _candidates("fwd+jvp" if tangent else "fwd", head_dim, dtype)
 
 
 def bwd_dkdv(head_dim: int, dtype: torch.dtype) -> list[Config]:
-    if INTERPRET:
-        return _INTERPRETER
-    if dtype == torch.float32:
-        best = [Config(16, 32, 4, 1)]
-    elif head_dim <= 64:
-        best = [Config(32, 128, 4, 3)]
-    elif head_dim <= 128:
-        best = [Config(32, 64, 4, 3)]
-    else:
-        best = [Config(32, 64, 4, 1)]
-    return best + _fallbacks(head_dim)
+    return _candidates("bwd_dkdv", head_dim, dtype)
 
 
 def bwd_dq(head_dim: int, dtype: torch.dtype) -> list[Config]:
-    if INTERPRET:
-        return _INTERPRETER
-    if dtype == torch.float32:
-        best = [Config(32, 16, 4, 1)]
-    elif head_dim <= 64:
-        best = [Config(128, 64, 8, 3)]
-    elif head_dim <= 128:
-        best = [Config(64, 64, 4, 2)]
-    else:
-        best = [Config(64, 32, 4, 2)]
-    return best + _fallbacks(head_dim)
+    return _candidates("bwd_dq", head_dim, dtype)
 
 
 PREPROCESS_BLOCK_M = 64
