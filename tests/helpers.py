@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from flash_jvp import _check
+from flash_jvp import _check, _utils
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 # bf16 only on the GPU: Triton's interpreter runs it but computes garbage.
 DTYPES = [torch.float16, torch.bfloat16, torch.float32] if CUDA else [torch.float16, torch.float32]
 DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# Behaviour of the Triton kernels themselves (limits, refusals); the plain-PyTorch CPU
+# fallback, used without TRITON_INTERPRET, has none of these limits.
+needs_kernels = pytest.mark.skipif(
+    not _utils.uses_kernels(torch.device(DEVICE)),
+    reason="a property of the Triton kernels; the CPU fallback (no TRITON_INTERPRET) differs",
+)
 
 
 def randn(*shape, dtype=torch.float32, device=DEVICE, std=1.0) -> torch.Tensor:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CUDA, DTYPE_IDS, DTYPES, assert_matches_reference, qkv
+from helpers import (
+    CUDA,
+    DTYPE_IDS,
+    DTYPES,
+    assert_matches_reference,
+    needs_kernels,
+    qkv,
+    randn,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_jvp
@@ -125,3 +133,11 @@ def test_forward_is_deterministic():
         runs.append((o, *torch.autograd.grad(o, leaves, do)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@needs_kernels
+def test_batch_times_heads_beyond_the_grid_limit():
+    """A clear error instead of a failed launch (CUDA caps the grid's y dimension)."""
+    q = randn(65536, 1, 1, 16)
+    with pytest.raises(NotImplementedError, match="batch \\* heads = 65536"):
+        flash_jvp.attention(q, q, q)

@@ -20,6 +20,7 @@ from helpers import (
     DTYPES,
     assert_close_rel,
     assert_matches_reference,
+    needs_kernels,
     qkv,
     randn,
 )
@@ -329,6 +330,7 @@ def test_c8_gqa_sums_tangents_and_grads_over_groups(dtype, is_causal):
     )
 
 
+@needs_kernels
 def test_c8_unsupported_head_dim_is_a_clear_error():
     q = randn(1, 2, 16, 320)
     with pytest.raises(NotImplementedError, match="head_dim 320 is not supported"):
@@ -438,6 +440,7 @@ def test_seed_parity_dual_tensors_that_require_grad(dtype):
 
 
 # ---------------------------------------------------------------- errors, never silent zeros
+@needs_kernels
 def test_loss_on_undetached_tangent_raises():
     q, k, v, tangents, _ = qkv(1, 2, 2, 16, 16, 16)
     w = torch.randn(16, 16, device=q.device, requires_grad=True)
@@ -446,9 +449,52 @@ def test_loss_on_undetached_tangent_raises():
         o_t.sum().backward()
 
 
+@needs_kernels
 def test_double_backward_raises():
     q, k, v, _, _ = qkv(1, 2, 2, 16, 16, 16)
     q.requires_grad_()
     (g,) = torch.autograd.grad(flash_jvp.attention(q, k, v).square().sum(), q, create_graph=True)
     with pytest.raises(NotImplementedError, match="double backward"):
         g.sum().backward()
+
+
+# ---------------------------------------------------------------- nested transforms, empties
+def test_nested_forward_mode_is_exact():
+    """jvp of jvp and jacfwd of jacfwd: second-order tangents (taken by the PyTorch path)."""
+    q, k, v, (t1, t2, _), _ = qkv(1, 1, 1, 8, 8, 16)
+    k64, v64 = k.double(), v.double()
+
+    def inner(fn, k, v, t1):
+        return lambda a: torch.func.jvp(lambda x: fn(x, k, v), (a,), (t1,))[1]
+
+    ours = torch.func.jvp(inner(flash_jvp.attention, k, v, t1), (q,), (t2,))[1]
+    ref = torch.func.jvp(inner(math_sdpa, k64, v64, t1.double()), (q.double(),), (t2.double(),))[1]
+    assert_close_rel("jvp(jvp)", ours, ref, 1e-5)
+    hess = torch.func.jacfwd(torch.func.jacfwd(lambda a: flash_jvp.attention(a, k, v).sum()))(q)
+    ref = torch.func.jacfwd(torch.func.jacfwd(lambda a: math_sdpa(a, k64, v64).sum()))(q.double())
+    assert_close_rel("jacfwd(jacfwd)", hess, ref, 1e-5)
+
+
+def test_jvp_of_vmap():
+    q, k, v, _, _ = qkv(3, 1, 1, 8, 8, 16)
+    qs, ts = q.unsqueeze(1), randn(3, 1, 1, 8, 16)
+
+    def run(fn, k, v, qs, ts):
+        return torch.func.jvp(torch.func.vmap(lambda a: fn(a, k[:1], v[:1])), (qs,), (ts,))[1]
+
+    ours = run(flash_jvp.attention, k, v, qs, ts)
+    ref = run(math_sdpa, k.double(), v.double(), qs.double(), ts.double())
+    assert_close_rel("jvp(vmap)", ours, ref, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "q_shape,k_shape",
+    [((1, 2, 0, 16), (1, 2, 9, 16)), ((1, 0, 8, 16), (1, 0, 9, 16)), ((0, 8, 16), (0, 9, 16))],
+    ids=["Lq0", "H0", "3d-N0"],
+)
+def test_empty_inputs_give_empty_outputs(q_shape, k_shape):
+    q, k = randn(*q_shape).requires_grad_(), randn(*k_shape)
+    o = flash_jvp.attention(q, k, k)
+    assert o.shape == q_shape
+    o.sum().backward()
+    assert q.grad.shape == q_shape

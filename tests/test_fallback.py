@@ -32,3 +32,15 @@ def test_fallback_forward_ad_and_validation(fallback):
         assert fwAD.unpack_dual(o).tangent is not None
     with pytest.raises(ValueError, match="enable_gqa"):
         flash_jvp.attention(q, k[:, :1], v[:, :1])
+
+
+def test_fallback_autocast_casts_float32_only(fallback):
+    q, k, v, _, _ = qkv(1, 2, 2, 8, 8, 16, device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert flash_jvp.attention(q, k, v).dtype == torch.bfloat16
+        assert flash_jvp.attention(q.double(), k.double(), v.double()).dtype == torch.float64
+
+
+def test_meta_tensors_take_the_fallback():
+    q = torch.empty(1, 2, 8, 16, device="meta")
+    assert flash_jvp.attention(q, q, q).shape == (1, 2, 8, 16)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CUDA, DEVICE, randn
+from helpers import CUDA, DEVICE, needs_kernels, randn
+from torch.autograd import forward_ad as fwAD
 
 import flash_jvp
 from flash_jvp import _ops, _utils
@@ -105,3 +106,35 @@ def test_device_mismatch():
     q = t(1, 2, 8, 16)
     with pytest.raises(ValueError, match="same device"):
         flash_jvp.attention(q, q.cpu(), q)
+
+
+MORE_BAD = [
+    ("scale-inf", {"scale": float("inf")}, ValueError, "finite scale within float32 range"),
+    ("scale-huge", {"scale": 1e300}, ValueError, "finite scale within float32 range"),
+    ("scale-huge-int", {"scale": 10**400}, ValueError, "finite scale within float32 range"),
+    ("enable-gqa-type", {"enable_gqa": "no"}, TypeError, "enable_gqa to be a bool"),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match", [b[1:] for b in MORE_BAD], ids=[b[0] for b in MORE_BAD]
+)
+def test_bad_arguments(kwargs, exc, match):
+    q = t(1, 2, 8, 16)
+    with pytest.raises(exc, match=match):
+        flash_jvp.attention(q, q, q, **kwargs)
+
+
+def test_zero_head_dim():
+    q = t(1, 2, 8, 0)
+    with pytest.raises(ValueError, match="head_dim >= 1"):
+        flash_jvp.attention(q, q, t(1, 2, 8, 16))
+
+
+@needs_kernels
+def test_tangent_dtype_must_match_its_primal():
+    q = t(1, 2, 8, 16)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, t(1, 2, 8, 16, dtype=torch.float16))
+        with pytest.raises(ValueError, match="tangent of query to have its dtype torch.float32"):
+            flash_jvp.attention(dual, q, q)

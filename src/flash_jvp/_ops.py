@@ -46,10 +46,19 @@ def _strides(t: Tensor | None, prefix: str) -> dict[str, int]:
     return {f"stride_{prefix}{n}": s for n, s in zip(names, values)}
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (batch * heads here)
+
+
 def _launch(
     kernel, grid: Callable[[Config], tuple[int, ...]], candidates: list[Config], key: tuple, **args
 ) -> None:
     """Launch with the first candidate that fits the GPU; remember it for this key."""
+    batch_heads = grid(candidates[0])[1]
+    if batch_heads > MAX_GRID_Y:
+        raise NotImplementedError(
+            f"flash_jvp: batch * heads = {batch_heads} is more than this version launches "
+            f"({MAX_GRID_Y}, CUDA's grid limit); split the batch."
+        )
     chosen = _CHOSEN.get(key)
     if chosen is not None:
         kernel[grid(chosen)](**args, **chosen.kwargs())

@@ -13,6 +13,7 @@ import torch
 from ._utils import HAS_TRITON, MAX_HEAD_DIM, kernel_dtypes
 
 Problem = tuple[type[Exception], str]
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _desc(name: str, t: torch.Tensor) -> str:
@@ -73,6 +74,8 @@ def _layout_problems(q, k, v, enable_gqa: bool) -> list[Problem]:
                 f"key {tuple(k.shape)} and value {tuple(v.shape)}.",
             )
         )
+    if q.shape[-1] == 0:
+        out.append((ValueError, f"Expected a head_dim >= 1, but got {_desc('query', q)}."))
     if q.shape[-1] != k.shape[-1]:
         out.append(
             (
@@ -131,7 +134,7 @@ def _kernel_problems(q, k, v) -> list[Problem]:
     return out
 
 
-def _argument_problems(attn_mask, dropout_p, is_causal, scale) -> list[Problem]:
+def _argument_problems(attn_mask, dropout_p, is_causal, scale, enable_gqa) -> list[Problem]:
     out: list[Problem] = []
     if attn_mask is not None:
         out.append(
@@ -151,12 +154,21 @@ def _argument_problems(attn_mask, dropout_p, is_causal, scale) -> list[Problem]:
                 f"flash_jvp: dropout_p={dropout_p} is not supported; only dropout_p=0.0 is.",
             )
         )
-    if not isinstance(is_causal, bool):
-        out.append((TypeError, f"Expected is_causal to be a bool, but got {is_causal!r}."))
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or scale != scale
-    ):
-        out.append((TypeError, f"Expected scale to be None or a real number, but got {scale!r}."))
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):
+            out.append((TypeError, f"Expected {name} to be a bool, but got {flag!r}."))
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            out.append(
+                (TypeError, f"Expected scale to be None or a real number, but got {scale!r}.")
+            )
+        elif not abs(scale) <= FP32_MAX:  # also catches NaN; ints beyond float range too
+            out.append(
+                (
+                    ValueError,
+                    f"Expected a finite scale within float32 range, but got {repr(scale)[:32]}.",
+                )
+            )
     return out
 
 
@@ -167,7 +179,7 @@ def problems(
 
     ``kernels``: the call would run the Triton kernels (not the PyTorch fallback).
     """
-    out = _argument_problems(attn_mask, dropout_p, is_causal, scale)
+    out = _argument_problems(attn_mask, dropout_p, is_causal, scale, enable_gqa)
     tensor_problems = _tensor_problems(query, key, value)
     if tensor_problems:
         return out + tensor_problems

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch._C._functorch import TransformType, is_batchedtensor
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad as fwAD
 
 from . import _validate, reference
@@ -100,15 +104,16 @@ def scaled_dot_product_attention(
     kernels = _kernels(query)
     _validate.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernels)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    if not kernels:
+    if not kernels or _nested_forward_ad():
         return reference.attention_ref(
             query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
     from ._function import FlashAttnJVP  # imports triton: only on the kernel path
 
     lead = query.shape[:-3]
-    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
-    o = FlashAttnJVP.apply(q, k, v, *(_tangent(x) for x in (q, k, v)), scale, is_causal)[0]
+    q, k, v = (x.reshape(math.prod(lead), *x.shape[-3:]) for x in (query, key, value))
+    tangents = [_tangent(x, name) for x, name in zip((q, k, v), ("query", "key", "value"))]
+    o = FlashAttnJVP.apply(q, k, v, *tangents, scale, is_causal)[0]
     return o.reshape(*lead, *o.shape[1:])
 
 
@@ -141,18 +146,39 @@ def _kernels(query) -> bool:
     return isinstance(query, Tensor) and uses_kernels(query.device)
 
 
-def _tangent(x: Tensor) -> Tensor | None:
-    """x's forward-mode tangent at the current level, None if absent or a symbolic zero."""
+def _tangent(x: Tensor, name: str) -> Tensor | None:
+    """x's forward-mode tangent at the current level, None if absent or a symbolic zero.
+
+    Under a vmap inside the JVP the tangent cannot be unpacked here; FlashAttnJVP.jvp then
+    receives it instead.
+    """
+    if is_batchedtensor(x):
+        return None
     t = fwAD.unpack_dual(x).tangent
-    return None if t is None or t._is_zerotensor() else t
+    if t is None or t._is_zerotensor():
+        return None
+    if t.dtype != x.dtype:
+        raise ValueError(
+            f"Expected the forward-mode tangent of {name} to have its dtype {x.dtype}, but got "
+            f"{t.dtype}."
+        )
+    return t
+
+
+def _nested_forward_ad() -> bool:
+    """Two or more torch.func forward-mode levels (jvp of jvp, jacfwd of jacfwd): the fused
+    kernel gives only first-order tangents, so such calls take the PyTorch reference path."""
+    jvp_levels = sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    return jvp_levels >= 2
 
 
 def _autocast(*xs):
-    """Cast to the autocast dtype when autocast is on, as SDPA (a lower-precision op) does."""
+    """Cast float32 inputs to the autocast dtype when autocast is on, as SDPA (an op that
+    autocast runs in lower precision) does; other dtypes pass through."""
     if not all(isinstance(x, Tensor) for x in xs):
         return xs
     device_type = xs[0].device.type
-    if not torch.is_autocast_enabled(device_type):
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
         return xs
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
+    return tuple(x.to(dtype) if x.dtype == torch.float32 else x for x in xs)

@@ -65,12 +65,8 @@ def _softmax_probs(q: Tensor, k: Tensor, scale: float, is_causal: bool) -> Tenso
     s = (q @ k.transpose(-2, -1)) * scale
     if is_causal:
         s = s.masked_fill(~_causal_keep(s.shape[-2], s.shape[-1], s.device), -math.inf)
-    # A fully masked row has max -inf: shift by 0 instead, and divide by 1, to give zeros.
-    m = s.detach().amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m)
-    l = e.sum(-1, keepdim=True)
-    return e / torch.where(l == 0, torch.ones_like(l), l)
+    # The softmax math SDPA uses (torch >= 2.5): rows with every key masked give zeros.
+    return torch.ops.aten._safe_softmax(s, -1)
 
 
 def _tangents(dtype, hq, pairs):
