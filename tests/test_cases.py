@@ -84,25 +84,21 @@ def _c2_inputs():
     return q, k, v, tangents
 
 
-def _attn(q, k, v):
-    return flash_jvp.attention(q, k, v)
-
-
 def _to64(*xs):
     return tuple(x.double() for x in xs)
 
 
 def test_c2_jvp_and_grad():
     q, k, v, tangents = _c2_inputs()
-    _, o_t = torch.func.jvp(_attn, (q, k, v), tangents)
+    _, o_t = torch.func.jvp(flash_jvp.attention, (q, k, v), tangents)
     _, ref = torch.func.jvp(math_sdpa, _to64(q, k, v), _to64(*tangents))
     assert_close_rel("o_t", o_t, ref, 1e-5)
-    g = torch.func.grad(lambda q: _attn(q, k, v).sum())(q)
+    g = torch.func.grad(lambda q: flash_jvp.attention(q, k, v).sum())(q)
     q64, k64, v64 = _to64(q, k, v)
     ref = torch.func.grad(lambda q: math_sdpa(q, k64, v64).sum())(q64)
     assert_close_rel("grad", g, ref, 1e-5)
     leaf = q.clone().requires_grad_()
-    _attn(leaf, k, v).sum().backward()
+    flash_jvp.attention(leaf, k, v).sum().backward()
     assert_close_rel("backward", leaf.grad, ref, 1e-5)
 
 
@@ -112,7 +108,7 @@ def test_c2_jacobians(transform):
     q = q[:, :1, :8]
     k, v = k[:, :1], v[:, :1]
     jac = getattr(torch.func, transform)
-    ours = jac(lambda q: _attn(q, k, v))(q)
+    ours = jac(lambda q: flash_jvp.attention(q, k, v))(q)
     k64, v64 = _to64(k, v)
     ref = jac(lambda q: math_sdpa(q, k64, v64))(q.double())
     assert_close_rel(transform, ours, ref, 1e-5)
@@ -128,11 +124,13 @@ def test_c2_vmap_around_jvp():
             lambda q, k, v, tq, tk, tv: torch.func.jvp(fn, (q, k, v), (tq, tk, tv))[1]
         )
 
-    ours = per_sample(_attn)(*stacked)
+    ours = per_sample(flash_jvp.attention)(*stacked)
     ref = per_sample(math_sdpa)(*_to64(*stacked))
     assert_close_rel("vmap(jvp)", ours, ref, 1e-5)
     q0, k0, v0 = stacked[0][0], stacked[1][0], stacked[2][0]
-    ours = torch.func.vmap(lambda t: torch.func.jvp(_attn, (q0, k0, v0), (t, t, t))[1])(stacked[3])
+    ours = torch.func.vmap(
+        lambda t: torch.func.jvp(flash_jvp.attention, (q0, k0, v0), (t, t, t))[1]
+    )(stacked[3])
     ref = torch.func.vmap(lambda t: torch.func.jvp(math_sdpa, _to64(q0, k0, v0), (t, t, t))[1])(
         stacked[3].double()
     )
