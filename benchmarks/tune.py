@@ -10,6 +10,7 @@ import torch
 from triton.testing import do_bench
 
 from flash_jvp import _ops
+from flash_jvp._utils import Spec
 from flash_jvp.kernels import configs
 from flash_jvp.kernels.configs import Config
 
@@ -41,18 +42,19 @@ def time_config(kind, cfg, shape):
     q, k, v, qt, kt, vt, do = (
         torch.randn(B, H, L, E, device="cuda", dtype=torch.bfloat16) for _ in range(7)
     )
+    spec = Spec(E**-0.5, 0 if causal else None)
     names = {"fwd": "fwd", "jvp": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
     saved = getattr(configs, names[kind])
     setattr(configs, names[kind], lambda *a: [cfg])
     _ops._CHOSEN.clear()
     try:
         if kind == "fwd":
-            fn = lambda: _ops.attn_fwd(q, k, v, None, None, None, E**-0.5, causal)  # noqa: E731
+            fn = lambda: _ops.attn_fwd(q, k, v, None, None, None, None, None, spec)  # noqa: E731
         elif kind == "jvp":
-            fn = lambda: _ops.attn_fwd(q, k, v, qt, kt, vt, E**-0.5, causal)  # noqa: E731
+            fn = lambda: _ops.attn_fwd(q, k, v, qt, kt, vt, None, None, spec)  # noqa: E731
         else:
-            o, _, lse = _ops.attn_fwd(q, k, v, None, None, None, E**-0.5, causal)
-            fn = lambda: _ops.attn_bwd(do, q, k, v, o, lse, E**-0.5, causal)  # noqa: E731
+            o, _, lse = _ops.attn_fwd(q, k, v, None, None, None, None, None, spec)
+            fn = lambda: _ops.attn_bwd(do, q, k, v, o, lse, None, spec)  # noqa: E731
         fn()
         return do_bench(fn, warmup=10, rep=40, return_mode="median")
     except Exception as err:  # out of resources etc.: not a candidate

@@ -33,11 +33,15 @@ def signature(kernel, dtype: str, constexprs: dict) -> tuple[dict, dict]:
     for p in kernel.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
-        elif p.name in ("LSE", "DELTA"):
+        elif p.name in ("LSE", "DELTA", "DMASK"):
             sig[p.name] = "*fp32"
+        elif p.name in ("KV_RANGES", "Q_RANGES", "CU_SEQLENS_Q", "CU_SEQLENS_K"):
+            sig[p.name] = "*i32"
+        elif p.name in ("MASK", "MASK_T"):
+            sig[p.name] = "*u8" if constexprs.get("MASK_KIND") == 1 else POINTER_DTYPE[dtype]
         elif p.name in TENSORS:
             sig[p.name] = POINTER_DTYPE[dtype]
-        elif p.name == "scale":
+        elif p.name in ("scale", "mask_min"):
             sig[p.name] = "fp32"
         else:
             sig[p.name] = "i32"
@@ -79,6 +83,21 @@ def main():
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     dims = (64, 128) if args.quick else (16, 64, 72, 128, 160, 256)
+    # (name, mask/varlen switches): no mask; key padding (bool, same for all rows); an additive
+    # mask with its gradient and tangent; packed variable-length batches.
+    variants = (
+        ("", dict(MASK_KIND=0, MASK_SAME_ROWS=False, MASK_SAME_COLS=False, VARLEN=False)),
+        (" causal", dict(MASK_KIND=0, MASK_SAME_ROWS=False, MASK_SAME_COLS=False, VARLEN=False)),
+        (" pad", dict(MASK_KIND=1, MASK_SAME_ROWS=True, MASK_SAME_COLS=False, VARLEN=False)),
+        (
+            " pad-dense",
+            dict(
+                MASK_KIND=1, MASK_SAME_ROWS=True, MASK_SAME_COLS=False, VARLEN=False, MASK_SPLIT=1
+            ),
+        ),
+        (" bias", dict(MASK_KIND=2, MASK_SAME_ROWS=False, MASK_SAME_COLS=False, VARLEN=False)),
+        (" varlen", dict(MASK_KIND=0, MASK_SAME_ROWS=False, MASK_SAME_COLS=False, VARLEN=True)),
+    )
     dtypes = ("bf16",) if args.quick else ("bf16", "fp32")
     torch_dtype = {"bf16": "bfloat16", "fp32": "float32"}
     import torch
@@ -87,16 +106,26 @@ def main():
         prec = "ieee" if dtype == "fp32" else "tf32"
         for e in dims:
             hd = _head_dim(e)
-            base = dict(D=e, DV=e, HEAD_DIM=hd, HEAD_DIM_V=hd, IS_CAUSAL=True, DOT_PRECISION=prec)
             tdt = getattr(torch, torch_dtype[dtype])
-            for tangent in (False, True):
-                flags = dict(HAS_Q_T=tangent, HAS_K_T=tangent, HAS_V_T=tangent)
-                cfg = configs.fwd(hd, tdt, tangent)[0]
-                res = compile_one(attn_fwd_kernel, dtype, cfg, {**base, **flags})
-                print(f"{dtype} E{e:3d} fwd{'+jvp' if tangent else '    '} {cfg}: {res}")
-            for name, kernel in (("dkdv", attn_bwd_dkdv_kernel), ("dq", attn_bwd_dq_kernel)):
-                cfg = getattr(configs, f"bwd_{name}")(hd, tdt)[0]
-                print(f"{dtype} E{e:3d} {name:8} {cfg}: {compile_one(kernel, dtype, cfg, base)}")
+            for vname, variant in variants:
+                causal = vname in (" causal", " varlen")
+                base = dict(D=e, DV=e, HEAD_DIM=hd, HEAD_DIM_V=hd, IS_CAUSAL=causal,
+                            DOT_PRECISION=prec, **{"MASK_SPLIT": 2 if vname == " pad" else 0,
+                                                   **variant})  # fmt: skip
+                for tangent in (False, True):
+                    flags = dict(HAS_Q_T=tangent, HAS_K_T=tangent, HAS_V_T=tangent,
+                                 HAS_MASK_T=tangent and variant["MASK_KIND"] == 2)  # fmt: skip
+                    cfg = configs.fwd(hd, tdt, tangent)[0]
+                    res = compile_one(attn_fwd_kernel, dtype, cfg, {**base, **flags})
+                    print(f"{dtype} E{e:3d} fwd{'+jvp' if tangent else '    '}{vname} {cfg}: {res}")
+                dq_flags = dict(MASK_GRAD=variant["MASK_KIND"] == 2)
+                for name, kernel, extra in (
+                    ("dkdv", attn_bwd_dkdv_kernel, {}),
+                    ("dq", attn_bwd_dq_kernel, dq_flags),
+                ):
+                    cfg = getattr(configs, f"bwd_{name}")(hd, tdt)[0]
+                    res = compile_one(kernel, dtype, cfg, {**base, **extra})
+                    print(f"{dtype} E{e:3d} {name:8}{vname} {cfg}: {res}")
 
 
 if __name__ == "__main__":

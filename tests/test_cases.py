@@ -1,5 +1,5 @@
 """Reported failure cases (shared/cases/README.md, C1-C4 and C6-C10) and the seed's parity
-scenario, each as a parametrized family. C5 (fully masked rows) waits for attn_mask support.
+scenario, each as a parametrized family. C5 (fully masked rows) is in test_masks.py.
 
 REF = torch.func.jvp / autograd through math SDPA on float64 copies (flash_jvp.reference).
 """

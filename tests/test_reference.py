@@ -7,6 +7,7 @@ import torch
 from helpers import assert_close_rel
 
 from flash_jvp import reference
+from flash_jvp._utils import Spec
 
 CAUSAL = pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 
@@ -40,14 +41,18 @@ def test_attention_ref_gradcheck(is_causal):
     )  # fmt: skip
 
 
+def _spec(scale, is_causal):
+    return Spec(scale, 0 if is_causal else None)
+
+
 @CAUSAL
 def test_closed_form_jvp_equals_autodiff(is_causal):
     """attention_jvp (the formula the kernel implements) == torch.func.jvp of attention_ref."""
     q, k, v, tangents = _inputs()
     scale = 0.4
-    ours = reference.attention_jvp(q, k, v, *tangents, scale, is_causal)
+    ours = reference.attention_jvp(q, k, v, *tangents, None, None, _spec(scale, is_causal))
     _, ref = torch.func.jvp(
-        lambda q, k, v: reference.attention_ref(q, k, v, is_causal, scale, enable_gqa=True),
+        lambda q, k, v: reference.attention_ref(q, k, v, None, is_causal, scale, enable_gqa=True),
         (q, k, v), tangents,
     )  # fmt: skip
     assert_close_rel("o_t", ours, ref, 1e-12)
@@ -61,12 +66,14 @@ def test_closed_form_forward_over_reverse_equals_autodiff(is_causal):
 
     def grads(q, k, v, do):
         _, vjp = torch.func.vjp(
-            lambda q, k, v: reference.attention_ref(q, k, v, is_causal, scale, enable_gqa=True),
+            lambda q, k, v: reference.attention_ref(q, k, v, None, is_causal, scale, True),
             q, k, v,
         )  # fmt: skip
         return vjp(do)
 
     _, ref = torch.func.jvp(grads, (q, k, v, do), (*tangents, do_t))
-    ours = reference.attention_bwd_jvp(q, k, v, do, *tangents, do_t, scale, is_causal)
+    ours = reference.attention_bwd_jvp(
+        q, k, v, do, *tangents, do_t, None, None, _spec(scale, is_causal)
+    )
     for name, a, b in zip(("dq_t", "dk_t", "dv_t"), ours, ref):
         assert_close_rel(name, a, b, 1e-12)

@@ -2,10 +2,17 @@
 
 ``flash_jvp.attention`` (alias ``scaled_dot_product_attention``) is a drop-in for
 ``torch.nn.functional.scaled_dot_product_attention`` that also works under
-``torch.func.jvp`` and ``torch.autograd.forward_ad``.
+``torch.func.jvp`` and ``torch.autograd.forward_ad``; ``flash_jvp.varlen_attention`` takes
+packed variable-length batches.
 """
 
-from .api import attention, scaled_dot_product_attention, supports
+from .api import attention, scaled_dot_product_attention, supports, varlen_attention
 
 __version__ = "0.1.0"
-__all__ = ["attention", "scaled_dot_product_attention", "supports", "__version__"]
+__all__ = [
+    "attention",
+    "scaled_dot_product_attention",
+    "supports",
+    "varlen_attention",
+    "__version__",
+]

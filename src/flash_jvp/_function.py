@@ -17,6 +17,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.autograd import forward_ad as fwAD
 
 from . import _ops, reference
+from ._utils import Spec
 
 Tensor = torch.Tensor
 
@@ -39,9 +40,23 @@ def _fold(args, in_dims, size: int) -> list:
     return out
 
 
+def _fold_mask(mask: Tensor | None, d: int | None, size: int, batch: int) -> Tensor | None:
+    """A 4-D attn_mask (batch dim 1 or ``batch``) folded like :func:`_fold` folds q."""
+    if mask is None or (d is None and mask.shape[0] == 1):
+        return mask  # broadcasts over the folded batch as it is
+    mask = mask.unsqueeze(0).expand(size, *mask.shape) if d is None else mask.movedim(d, 0)
+    mask = mask.expand(size, batch, *mask.shape[2:])
+    return mask.reshape(size * batch, *mask.shape[2:])
+
+
 def _unfold(outputs, size: int):
     outs = tuple(o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outputs)
     return outs, (0,) * len(outs)
+
+
+def _no_varlen_vmap(spec: Spec) -> None:
+    if spec.varlen:
+        raise NotImplementedError("flash_jvp: vmap over varlen_attention is not supported.")
 
 
 def _zero_tangent(t: Tensor) -> Tensor:
@@ -52,92 +67,119 @@ def _zero_tangent(t: Tensor) -> Tensor:
 def _jvp_result(ctx, o_t: Tensor) -> tuple[Tensor, ...]:
     """Tangents of FlashAttnJVP's outputs: o_t for o; zeros for lse and the o_t output,
     which are not part of the public result."""
-    lse_t = o_t.new_zeros((), dtype=torch.float32).expand(o_t.shape[:-1])
+    lse_t = o_t.new_zeros((), dtype=torch.float32).expand(ctx.lse_shape)
     return (o_t, lse_t) if ctx.n_outputs == 2 else (o_t, lse_t, _zero_tangent(o_t))
 
 
 class FlashAttnJVP(torch.autograd.Function):
-    """o, lse[, o_t] = attention(q, k, v) with the tangents q_t, k_t, v_t (or None) fused in."""
+    """o, lse[, o_t] = attention(q, k, v, mask) with the tangents q_t, k_t, v_t, mask_t (or
+    None) fused in. ``mask``: None, boolean or additive (4-D, broadcasting to the scores)."""
 
     @staticmethod
-    def forward(q, k, v, q_t, k_t, v_t, scale: float, is_causal: bool):
-        o, o_t, lse = _ops.attn_fwd(q, k, v, q_t, k_t, v_t, scale, is_causal)
+    def forward(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec):
+        o, o_t, lse = _ops.attn_fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec)
         return (o, lse) if o_t is None else (o, lse, o_t)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, q_t, k_t, v_t, scale, is_causal = inputs
+        q, k, v, mask, q_t, k_t, v_t, mask_t, spec = inputs
         o, lse = output[:2]
-        ctx.scale, ctx.is_causal = scale, is_causal
+        ctx.spec = spec
         ctx.n_outputs = len(output)
+        ctx.lse_shape = lse.shape
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, mask)
         o_t = output[2] if len(output) == 3 else None
-        ctx.save_for_forward(q, k, v, q_t, k_t, v_t, o_t)
+        ctx.save_for_forward(q, k, v, mask, q_t, k_t, v_t, mask_t, o_t)
 
     @staticmethod
-    def jvp(ctx, gq, gk, gv, *_):
-        q, k, v, q_t, k_t, v_t, o_t = ctx.saved_tensors
-        if o_t is not None and gq is q_t and gk is k_t and gv is v_t:
+    def jvp(ctx, gq, gk, gv, gmask, *_):
+        q, k, v, mask, q_t, k_t, v_t, mask_t, o_t = ctx.saved_tensors
+        if mask is not None and mask.dtype == torch.bool:
+            gmask = None
+        same = gq is q_t and gk is k_t and gv is v_t and gmask is mask_t
+        if o_t is not None and same:
             # The forward's own o_t output without its (zero) tangent: reverse mode through
             # it reaches our backward, which refuses instead of returning silent zeros.
             return _jvp_result(ctx, fwAD.unpack_dual(o_t).primal)
-        if gq is None and gk is None and gv is None:
+        if gq is None and gk is None and gv is None and gmask is None:
             return _jvp_result(ctx, q.new_zeros(()).expand(*q.shape[:-1], v.shape[-1]))
-        if _kernel_ready(q, k, v, gq, gk, gv):
-            o_t = _ops.attn_fwd(q, k, v, gq, gk, gv, ctx.scale, ctx.is_causal)[1]
-            return _jvp_result(ctx, _TangentNoGrad.apply(o_t, q, k, v, gq, gk, gv))
-        o_t = reference.attention_jvp(q, k, v, gq, gk, gv, ctx.scale, ctx.is_causal)
-        return _jvp_result(ctx, o_t)
+        if _kernel_ready(q, k, v, mask, gq, gk, gv, gmask):
+            o_t = _ops.attn_fwd(q, k, v, gq, gk, gv, mask, gmask, ctx.spec)[1]
+            return _jvp_result(ctx, _TangentNoGrad.apply(o_t, q, k, v, mask, gq, gk, gv, gmask))
+        return _jvp_result(ctx, reference.attention_jvp(q, k, v, gq, gk, gv, mask, gmask, ctx.spec))
 
     @staticmethod
     def backward(ctx, do, dlse=None, do_t=None):
         if do_t is not None:
             raise NotImplementedError(_NO_TANGENT_GRAD)
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, mask = ctx.saved_tensors
         if do is None:
-            return (None,) * 8
-        dq, dk, dv = AttnBackward.apply(do, q, k, v, o, lse, ctx.scale, ctx.is_causal)
-        return dq, dk, dv, None, None, None, None, None
+            return (None,) * 9
+        mask_grad = ctx.needs_input_grad[3]
+        grads = AttnBackward.apply(do, q, k, v, o, lse, mask, ctx.spec, mask_grad)
+        dmask = grads[3] if mask_grad else None
+        return grads[0], grads[1], grads[2], dmask, None, None, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, *args):
-        return _unfold(FlashAttnJVP.apply(*_fold(args, in_dims, info.batch_size)), info.batch_size)
+        size = info.batch_size
+        q, k, v, mask, q_t, k_t, v_t, mask_t, spec = args
+        _no_varlen_vmap(spec)
+        d = list(in_dims)
+        q, k, v, q_t, k_t, v_t = _fold((q, k, v, q_t, k_t, v_t), d[:3] + d[4:7], size)
+        batch = q.shape[0] // size
+        mask, mask_t = (_fold_mask(m, dm, size, batch) for m, dm in ((mask, d[3]), (mask_t, d[7])))
+        return _unfold(FlashAttnJVP.apply(q, k, v, mask, q_t, k_t, v_t, mask_t, spec), size)
 
 
 class AttnBackward(torch.autograd.Function):
-    """dq, dk, dv = vjp of attention at (q, k, v) with cotangent do, from the saved o and lse.
+    """dq, dk, dv[, dmask] = vjp of attention at (q, k, v, mask) with cotangent do, from the
+    saved o and lse (dmask, the additive mask's gradient, with ``mask_grad``).
 
     Its ``jvp`` (forward-over-reverse: a tangent of the gradients) is exact. When only ``do``
     carries a tangent (a backward run inside a ``forward_ad.dual_level``), the gradient is
-    linear in ``do`` and the same kernels give it; when q, k or v carry one (e.g.
+    linear in ``do`` and the same kernels give it; when q, k, v or the mask carry one (e.g.
     ``torch.func.jvp(torch.func.grad(f))``), it uses the PyTorch composite
     ``reference.attention_bwd_jvp``, which materialises the (Lq, Lk) score matrix.
     Double backward is not supported.
     """
 
     @staticmethod
-    def forward(do, q, k, v, o, lse, scale: float, is_causal: bool):
-        return _ops.attn_bwd(do, q, k, v, o, lse, scale, is_causal)
+    def forward(do, q, k, v, o, lse, mask, spec: Spec, mask_grad: bool):
+        dq, dk, dv, dmask = _ops.attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad)
+        return (dq, dk, dv, dmask) if mask_grad else (dq, dk, dv)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        do, q, k, v, o, lse, scale, is_causal = inputs
-        ctx.scale, ctx.is_causal = scale, is_causal
+        do, q, k, v, o, lse, mask, spec, mask_grad = inputs
+        ctx.spec, ctx.mask_grad = spec, mask_grad
         ctx.set_materialize_grads(False)
-        ctx.save_for_forward(do, q, k, v, o, lse)
+        ctx.save_for_forward(do, q, k, v, o, lse, mask)
 
     @staticmethod
-    def jvp(ctx, g_do, gq, gk, gv, *_):
-        do, q, k, v, o, lse = ctx.saved_tensors
-        if gq is None and gk is None and gv is None:
+    def jvp(ctx, g_do, gq, gk, gv, go, glse, gmask, *_):
+        (
+            do,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            mask,
+        ) = ctx.saved_tensors
+        if mask is not None and mask.dtype == torch.bool:
+            gmask = None
+        outs = (q, k, v, mask) if ctx.mask_grad else (q, k, v)
+        if gq is None and gk is None and gv is None and gmask is None:
             if g_do is None:
-                return tuple(_zero_tangent(t) for t in (q, k, v))
-            if _kernel_ready(g_do, q, k, v, o, lse):
-                return _ops.attn_bwd(g_do, q, k, v, o, lse, ctx.scale, ctx.is_causal)
+                return tuple(_zero_tangent(t) for t in outs)
+            if _kernel_ready(g_do, q, k, v, o, lse, mask):
+                grads = _ops.attn_bwd(g_do, q, k, v, o, lse, mask, ctx.spec, ctx.mask_grad)
+                return grads[: len(outs)]
         with torch.autocast(q.device.type, enabled=False):
             return reference.attention_bwd_jvp(
-                q, k, v, do, gq, gk, gv, g_do, scale=ctx.scale, is_causal=ctx.is_causal
+                q, k, v, do, gq, gk, gv, g_do, mask, gmask, ctx.spec, ctx.mask_grad
             )
 
     @staticmethod
@@ -149,7 +191,17 @@ class AttnBackward(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, *args):
-        return _unfold(AttnBackward.apply(*_fold(args, in_dims, info.batch_size)), info.batch_size)
+        size = info.batch_size
+        do, q, k, v, o, lse, mask, spec, mask_grad = args
+        _no_varlen_vmap(spec)
+        if mask_grad:
+            raise NotImplementedError(
+                "flash_jvp: vmap over the gradient of an attn_mask is not supported."
+            )
+        d = list(in_dims)
+        do, q, k, v, o, lse = _fold((do, q, k, v, o, lse), d[:6], size)
+        mask = _fold_mask(mask, d[6], size, q.shape[0] // size)
+        return _unfold(AttnBackward.apply(do, q, k, v, o, lse, mask, spec, False), size)
 
 
 _NO_TANGENT_GRAD = (

@@ -1,23 +1,28 @@
 """Host launchers: allocate outputs, pick a config, build the grid, launch.
 
-They take and return plain tensors (B, H, L, E) with any strides; autograd lives in
+They take and return plain tensors with any strides: dense (B, H, L, E), or packed
+(total, H, E) with cumulative sequence lengths (see :class:`Spec`); autograd lives in
 ``_function.py``. Inputs are assumed validated by ``_validate.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ._utils import Spec
 from .kernels import configs
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .kernels.configs import Config
 from .kernels.fwd import attn_fwd_kernel
 
 Tensor = torch.Tensor
+
+MASK_GROUP = 16  # rows/keys per entry of the tile-range tables; kernels/common.py has it too
 
 # key -> the first candidate config that fit the GPU's resources for it
 _CHOSEN: dict[tuple, Config] = {}
@@ -41,9 +46,131 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _strides(t: Tensor | None, prefix: str) -> dict[str, int]:
-    names = ("b", "h", "m" if prefix in ("q", "o", "qt", "ot", "do", "dq") else "n", "d")
-    values = t.stride() if t is not None else (0, 0, 0, 0)
+    if prefix in ("m", "mt", "g"):  # masks: (b, h, query row, key)
+        names = ("b", "h", "m", "n")
+    elif prefix == "r":  # tile-range tables: (b, h, group)
+        names = ("b", "h", "g")
+    else:
+        names = ("b", "h", "m" if prefix in ("q", "o", "qt", "ot", "do", "dq") else "n", "d")
+    values = t.stride() if t is not None else (0,) * len(names)
     return {f"stride_{prefix}{n}": s for n, s in zip(names, values)}
+
+
+@dataclass
+class _Layout:
+    """(B, H, L, E) views of the inputs as the kernels index them, and their sizes."""
+
+    B: int
+    H: int
+    H_KV: int
+    Lq: int
+    Lk: int
+    D: int
+    DV: int
+
+    @staticmethod
+    def of(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> _Layout:
+        if spec.varlen:
+            n = spec.cu_seqlens_q.numel() - 1
+            return _Layout(n, q.shape[1], k.shape[1], spec.max_seqlen_q, spec.max_seqlen_k,
+                           q.shape[2], v.shape[2])  # fmt: skip
+        return _Layout(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                       v.shape[3])  # fmt: skip
+
+
+def _view(x: Tensor | None, spec: Spec, batch: int) -> Tensor | None:
+    """Packed (total, H, E) -> (batch, H, total, E) with batch stride 0 (sequences start at
+    their cu_seqlens offset inside the kernel); dense tensors pass through."""
+    if x is None or not spec.varlen:
+        return x
+    return x.unsqueeze(0).transpose(1, 2).expand(batch, -1, -1, -1)
+
+
+def _lse_strides(lse: Tensor, spec: Spec) -> dict[str, int]:
+    """lse/delta are (B, H, Lq) dense, (H, total_q) packed."""
+    if spec.varlen:
+        return {"stride_lb": 0, "stride_lh": lse.stride(0)}
+    return {"stride_lb": lse.stride(0), "stride_lh": lse.stride(1)}
+
+
+def _seqlens(spec: Spec, like: Tensor) -> dict[str, Tensor]:
+    cu_q = spec.cu_seqlens_q if spec.varlen else like
+    cu_k = spec.cu_seqlens_k if spec.varlen else like
+    return {"CU_SEQLENS_Q": cu_q, "CU_SEQLENS_K": cu_k}
+
+
+def mask_kind(mask: Tensor | None) -> int:
+    """0: no mask; 1: boolean; 2: additive (the kernels' MASK_KIND)."""
+    if mask is None:
+        return 0
+    return 1 if mask.dtype == torch.bool else 2
+
+
+def _mask_splits(mask: Tensor | None) -> tuple[int, ...]:
+    """MASK_SPLIT of each launch: a boolean mask runs the kernels twice, once for the blocks
+    it leaves a plain key (row) range (no mask loads) and once for the others."""
+    return (1, 2) if mask is not None and mask.dtype == torch.bool else (0,)
+
+
+def _keep(mask: Tensor, mask_min: float) -> Tensor:
+    return mask if mask.dtype == torch.bool else mask > mask_min
+
+
+def mask_ranges(keep: Tensor, other_len: int) -> Tensor:
+    """The tile-range table the kernels skip masked blocks with: (..., groups, 3) int32.
+
+    For every MASK_GROUP rows of ``keep`` (..., n, m) (dim -2): lo, hi = the range of
+    columns where any of them is True (lo = other_len, hi = 0 if none), and dense = 1 if
+    each of those rows is True on exactly [lo, hi) (key padding, say), which lets a kernel
+    bound the keys instead of loading the mask. A size-1 dim stands for a broadcast one
+    (other_len columns along dim -1). Memory: one byte per mask entry, temporarily.
+    """
+    n, m = keep.shape[-2:]
+    count = keep.sum(-1)
+    if m == 1:
+        row_lo = torch.where(count > 0, 0, other_len)
+        row_hi = torch.where(count > 0, other_len, 0)
+        count = count * other_len
+    else:
+        first = keep.to(torch.uint8).argmax(-1)  # index of the first True (0 if none)
+        last = m - keep.flip(-1).to(torch.uint8).argmax(-1)
+        row_lo = torch.where(count > 0, first, m)
+        row_hi = torch.where(count > 0, last, 0)
+    rows = torch.stack((row_lo, row_hi, count), -1)  # (..., n, 3)
+    if n > 1:  # group rows; pad with copies of the last row, which change nothing
+        pad = -n % MASK_GROUP
+        rows = torch.cat([rows, rows[..., -1:, :].expand(*rows.shape[:-2], pad, 3)], dim=-2)
+        rows = rows.reshape(*rows.shape[:-2], -1, MASK_GROUP, 3)
+    else:
+        rows = rows.unsqueeze(-2)
+    lo, hi = rows[..., 0].amin(-1), rows[..., 1].amax(-1)
+    dense = (rows[..., 0] == lo[..., None]) & (rows[..., 1] == hi[..., None])
+    dense = (dense & (rows[..., 2] == (hi - lo)[..., None])).all(-1)
+    return torch.stack((lo, hi, dense.to(lo.dtype)), dim=-1).to(torch.int32)
+
+
+def _mask_args(mask: Tensor | None, lay: _Layout, mask_min: float, by_keys: bool) -> dict:
+    """Kernel arguments for an attn_mask (own 4-D shape, broadcast to (B, H, Lq, Lk) here
+    through strides, never copied), and its tile-range table (per query group, or per key
+    group with ``by_keys``)."""
+    if mask is None:
+        return dict(MASK_KIND=0, MASK_SAME_ROWS=False, MASK_SAME_COLS=False,
+                    **_strides(None, "m"), **_strides(None, "r"))  # fmt: skip
+    full = mask.expand(lay.B, lay.H, lay.Lq, lay.Lk)
+    keep = _keep(mask, mask_min)
+    if by_keys:
+        ranges = mask_ranges(keep.transpose(-1, -2), lay.Lq)
+        groups = triton.cdiv(lay.Lk, MASK_GROUP)
+    else:
+        ranges = mask_ranges(keep, lay.Lk)
+        groups = triton.cdiv(lay.Lq, MASK_GROUP)
+    ranges = ranges.expand(lay.B, lay.H, groups, 3)
+    return dict(
+        MASK=full.view(torch.uint8) if mask.dtype == torch.bool else full,
+        MASK_KIND=mask_kind(mask), MASK_SAME_ROWS=full.stride(2) == 0,
+        MASK_SAME_COLS=full.stride(3) == 0, **_strides(full, "m"),
+        **{("Q_RANGES" if by_keys else "KV_RANGES"): ranges}, **_strides(ranges, "r"),
+    )  # fmt: skip
 
 
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (batch * heads here)
@@ -85,44 +212,68 @@ def attn_fwd(
     q_t: Tensor | None,
     k_t: Tensor | None,
     v_t: Tensor | None,
-    scale: float,
-    is_causal: bool,
+    mask: Tensor | None,
+    mask_t: Tensor | None,
+    spec: Spec,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Fused forward. Returns o (B, H, Lq, Ev), o_t (same, or None without tangents) and
-    lse (B, H, Lq) float32 in natural log. Missing tangents count as zero and cost nothing."""
-    B, H, Lq, D = q.shape
-    H_KV, Lk, DV = k.shape[1], k.shape[2], v.shape[3]
-    tangent = q_t is not None or k_t is not None or v_t is not None
-    o = _empty((B, H, Lq, DV), q)
-    o_t = _empty((B, H, Lq, DV), q) if tangent else None
-    lse = _empty((B, H, Lq), q, torch.float32)
-    if o.numel() == 0:
+    """Fused forward. Returns o (shaped like q with v's head dim), o_t (same, or None
+    without tangents) and lse float32 in natural log ((B, H, Lq) dense, (H, total_q) packed).
+    Missing tangents count as zero and cost nothing. ``mask``: boolean or additive, a 4-D
+    shape that broadcasts to (B, H, Lq, Lk); ``mask_t``: the additive mask's tangent."""
+    lay = _Layout.of(q, k, v, spec)
+    tangent = any(t is not None for t in (q_t, k_t, v_t, mask_t))
+    o = _empty((*q.shape[:-1], lay.DV), q)
+    o_t = _empty(o.shape, q) if tangent else None
+    lse_shape = (lay.H, q.shape[0]) if spec.varlen else (lay.B, lay.H, lay.Lq)
+    lse = _empty(lse_shape, q, torch.float32)
+    if o.numel() == 0 or lay.B == 0:
         return o, o_t, lse
-    head_dim, head_dim_v = _head_dim(D), _head_dim(DV)
+    head_dim, head_dim_v = _head_dim(lay.D), _head_dim(lay.DV)
+    mask_min = torch.finfo(q.dtype).min
+    mask_args = _mask_args(mask, lay, mask_min, by_keys=False)
     flags = dict(
-        IS_CAUSAL=bool(is_causal),
+        IS_CAUSAL=spec.causal_offset is not None,
         HAS_Q_T=q_t is not None,
         HAS_K_T=k_t is not None,
         HAS_V_T=v_t is not None,
+        HAS_MASK_T=mask_t is not None,
+        VARLEN=spec.varlen,
         DOT_PRECISION=_dot_precision(q.dtype),
+        **{n: mask_args.pop(n) for n in ("MASK_KIND", "MASK_SAME_ROWS", "MASK_SAME_COLS")},
+    )
+    mask_t_full = None if mask_t is None else mask_t.expand(lay.B, lay.H, lay.Lq, lay.Lk)
+    q4, k4, v4, o4, q_t4, k_t4, v_t4, o_t4 = (
+        _view(x, spec, lay.B) for x in (q, k, v, o, q_t, k_t, v_t, o_t)
     )
     key = ("fwd", max(head_dim, head_dim_v), q.dtype, tuple(flags.values()), q.device.index)
-    _launch(
-        attn_fwd_kernel,
-        lambda c: (triton.cdiv(Lq, c.BLOCK_M), B * H),
-        configs.fwd(max(head_dim, head_dim_v), q.dtype, tangent),
-        key,
-        Q=q, K=k, V=v, O=o, LSE=lse,
-        # absent tangents: any valid pointer, never read (the HAS_* switches are compile-time)
-        Q_T=q if q_t is None else q_t, K_T=k if k_t is None else k_t,
-        V_T=v if v_t is None else v_t, O_T=o if o_t is None else o_t,
-        **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(o, "o"),
-        **_strides(q_t, "qt"), **_strides(k_t, "kt"), **_strides(v_t, "vt"),
-        **_strides(o_t, "ot"),
-        scale=scale, H=H, GROUP=H // H_KV, Lq=Lq, Lk=Lk, D=D, DV=DV,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, **flags,
+    args = dict(
+        Q=q4, K=k4, V=v4, O=o4, LSE=lse,
+        # absent tensors: any valid pointer, never read (the switches are compile-time)
+        Q_T=_or(q_t4, q4), K_T=_or(k_t4, k4), V_T=_or(v_t4, v4), O_T=_or(o_t4, o4),
+        MASK=mask_args.pop("MASK", q4), MASK_T=_or(mask_t_full, q4),
+        KV_RANGES=mask_args.pop("KV_RANGES", lse), **_seqlens(spec, lse),
+        **_strides(q4, "q"), **_strides(k4, "k"), **_strides(v4, "v"), **_strides(o4, "o"),
+        **_strides(q_t4, "qt"), **_strides(k_t4, "kt"), **_strides(v_t4, "vt"),
+        **_strides(o_t4, "ot"), **_strides(mask_t_full, "mt"), **mask_args,
+        **_lse_strides(lse, spec), scale=spec.scale, mask_min=mask_min,
+        causal_offset=spec.causal_offset or 0, H=lay.H, GROUP=lay.H // lay.H_KV,
+        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+        **flags,
     )  # fmt: skip
+    for split in _mask_splits(mask):
+        _launch(
+            attn_fwd_kernel,
+            lambda c: (triton.cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
+            configs.fwd(max(head_dim, head_dim_v), q.dtype, tangent),
+            key + (split,),
+            MASK_SPLIT=split,
+            **args,
+        )
     return o, o_t, lse
+
+
+def _or(x: Tensor | None, default: Tensor) -> Tensor:
+    return default if x is None else x
 
 
 def attn_bwd(
@@ -132,45 +283,71 @@ def attn_bwd(
     v: Tensor,
     o: Tensor,
     lse: Tensor,
-    scale: float,
-    is_causal: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients dq, dk, dv (shaped and typed like q, k, v) of sum(o * do)."""
-    B, H, Lq, D = q.shape
-    H_KV, Lk, DV = k.shape[1], k.shape[2], v.shape[3]
+    mask: Tensor | None,
+    spec: Spec,
+    mask_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients dq, dk, dv (shaped and typed like q, k, v) of sum(o * do), and with
+    ``mask_grad`` that of the additive mask (shaped and typed like it; else None)."""
+    lay = _Layout.of(q, k, v, spec)
     dq = _empty(q.shape, q)
     dk = _empty(k.shape, k)
     dv = _empty(v.shape, v)
-    if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    head_dim, head_dim_v = _head_dim(D), _head_dim(DV)
-    lse = lse.contiguous()  # the kernels index it as (B * H, Lq); vmap may hand us a view
-    delta = _empty((B, H, Lq), q, torch.float32)
-    attn_bwd_preprocess_kernel[(triton.cdiv(Lq, configs.PREPROCESS_BLOCK_M), B * H)](
-        O=o, DO=do, DELTA=delta, **_strides(o, "o"), **_strides(do, "do"),
-        H=H, Lq=Lq, DV=DV, HEAD_DIM_V=head_dim_v, BLOCK_M=configs.PREPROCESS_BLOCK_M,
+    dmask = torch.zeros(mask.shape, device=q.device, dtype=torch.float32) if mask_grad else None
+    if q.numel() == 0 or k.numel() == 0 or lay.B == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), _cast(dmask, mask)
+    head_dim, head_dim_v = _head_dim(lay.D), _head_dim(lay.DV)
+    lse = lse.contiguous()  # the kernels index it by rows; vmap may hand us a view
+    delta = _empty(lse.shape, q, torch.float32)
+    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (
+        _view(x, spec, lay.B) for x in (q, k, v, o, do, dq, dk, dv)
+    )
+    attn_bwd_preprocess_kernel[(triton.cdiv(lay.Lq, configs.PREPROCESS_BLOCK_M), lay.B * lay.H)](
+        O=o4, DO=do4, DELTA=delta, CU_SEQLENS_Q=_seqlens(spec, lse)["CU_SEQLENS_Q"],
+        **_strides(o4, "o"), **_strides(do4, "do"), **_lse_strides(lse, spec),
+        H=lay.H, Lq=lay.Lq, DV=lay.DV, HEAD_DIM_V=head_dim_v,
+        BLOCK_M=configs.PREPROCESS_BLOCK_M, VARLEN=spec.varlen,
     )  # fmt: skip
+    mask_min = torch.finfo(q.dtype).min
     common = dict(
-        Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta,
-        **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"),
-        scale=scale, H=H, GROUP=H // H_KV, Lq=Lq, Lk=Lk, D=D, DV=DV,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, IS_CAUSAL=bool(is_causal),
+        Q=q4, K=k4, V=v4, DO=do4, LSE=lse, DELTA=delta, **_seqlens(spec, lse),
+        **_strides(q4, "q"), **_strides(k4, "k"), **_strides(v4, "v"), **_strides(do4, "do"),
+        **_lse_strides(lse, spec), scale=spec.scale, mask_min=mask_min,
+        causal_offset=spec.causal_offset or 0, H=lay.H, GROUP=lay.H // lay.H_KV,
+        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+        IS_CAUSAL=spec.causal_offset is not None, VARLEN=spec.varlen,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     tile = max(head_dim, head_dim_v)
-    key = (tile, q.dtype, bool(is_causal), common["DOT_PRECISION"], q.device.index)
-    _launch(
-        attn_bwd_dkdv_kernel,
-        lambda c: (triton.cdiv(Lk, c.BLOCK_N), B * H_KV),
-        configs.bwd_dkdv(tile, q.dtype),
-        ("dkdv",) + key,
-        DK=dk, DV_OUT=dv, **_strides(dk, "dk"), **_strides(dv, "dv"), H_KV=H_KV, **common,
-    )  # fmt: skip
-    _launch(
-        attn_bwd_dq_kernel,
-        lambda c: (triton.cdiv(Lq, c.BLOCK_M), B * H),
-        configs.bwd_dq(tile, q.dtype),
-        ("dq",) + key,
-        DQ=dq, **_strides(dq, "dq"), **common,
-    )  # fmt: skip
-    return dq, dk, dv
+    dkdv_mask = _mask_args(mask, lay, mask_min, by_keys=True)
+    dkdv_mask.setdefault("MASK", q4)
+    dkdv_mask.setdefault("Q_RANGES", lse)
+    key = (tile, q.dtype, common["IS_CAUSAL"], common["DOT_PRECISION"], spec.varlen,
+           mask_kind(mask), q.device.index)  # fmt: skip
+    for split in _mask_splits(mask):
+        _launch(
+            attn_bwd_dkdv_kernel,
+            lambda c: (triton.cdiv(lay.Lk, c.BLOCK_N), lay.B * lay.H_KV),
+            configs.bwd_dkdv(tile, q.dtype),
+            ("dkdv", split) + key,
+            DK=dk4, DV_OUT=dv4, **_strides(dk4, "dk"), **_strides(dv4, "dv"), H_KV=lay.H_KV,
+            MASK_SPLIT=split, **dkdv_mask, **common,
+        )  # fmt: skip
+    dq_mask = _mask_args(mask, lay, mask_min, by_keys=False)
+    dq_mask.setdefault("MASK", q4)
+    dq_mask.setdefault("KV_RANGES", lse)
+    dmask_full = None if dmask is None else dmask.expand(lay.B, lay.H, lay.Lq, lay.Lk)
+    for split in _mask_splits(mask):
+        _launch(
+            attn_bwd_dq_kernel,
+            lambda c: (triton.cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
+            configs.bwd_dq(tile, q.dtype),
+            ("dq", mask_grad, split) + key,
+            DQ=dq4, DMASK=_or(dmask_full, lse), MASK_GRAD=mask_grad, MASK_SPLIT=split,
+            **_strides(dq4, "dq"), **_strides(dmask_full, "g"), **dq_mask, **common,
+        )  # fmt: skip
+    return dq, dk, dv, _cast(dmask, mask)
+
+
+def _cast(dmask: Tensor | None, mask: Tensor | None) -> Tensor | None:
+    return None if dmask is None else dmask.to(mask.dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -30,3 +31,25 @@ def uses_kernels(device: torch.device) -> bool:
 
 def kernel_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     return INTERPRETER_DTYPES if device.type == "cpu" else KERNEL_DTYPES
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything but q, k, v (and the mask) that defines one attention call.
+
+    causal_offset: None (no causal mask), or query row i sees keys j <= i + causal_offset
+    (0: SDPA's top-left ``is_causal``; Lk - Lq: ``causal_lower_right``). Packed batches give
+    ``cu_seqlens_q/k`` (int32, (n + 1,)) and the longest lengths; q/k/v are then
+    (total, H, E) and every sequence is its own batch entry.
+    """
+
+    scale: float
+    causal_offset: int | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None

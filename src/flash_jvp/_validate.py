@@ -9,11 +9,16 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 from ._utils import HAS_TRITON, MAX_HEAD_DIM, kernel_dtypes
 
 Problem = tuple[type[Exception], str]
 FP32_MAX = torch.finfo(torch.float32).max
+
+
+class MaskWithCausalError(ValueError, RuntimeError):
+    """attn_mask and is_causal=True together: a ValueError, and the RuntimeError SDPA raises."""
 
 
 def _desc(name: str, t: torch.Tensor) -> str:
@@ -134,17 +139,69 @@ def _kernel_problems(q, k, v) -> list[Problem]:
     return out
 
 
-def _argument_problems(attn_mask, dropout_p, is_causal, scale, enable_gqa) -> list[Problem]:
+def _mask_problems(q, k, attn_mask, is_causal) -> list[Problem]:
+    """attn_mask: a CausalBias of the right lengths, or a bool/float tensor that broadcasts
+    to the scores (..., Hq, Lq, Lk)."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    if isinstance(attn_mask, CausalBias):
+        if is_causal:
+            return [(ValueError, "CausalBias should not be used with causal=True")]
+        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (lq, lk):
+            return [
+                (
+                    ValueError,
+                    f"Expected a CausalBias for query length {lq} and key length {lk}, but got "
+                    f"one for {attn_mask.seq_len_q} and {attn_mask.seq_len_kv}.",
+                )
+            ]
+        return []
+    if not isinstance(attn_mask, torch.Tensor):
+        got = type(attn_mask)
+        return [(TypeError, f"Expected attn_mask to be None or a Tensor, but got {got}.")]
     out: list[Problem] = []
-    if attn_mask is not None:
+    if is_causal:
         out.append(
             (
-                NotImplementedError,
-                "flash_jvp: attn_mask is not supported yet (got a mask of shape "
-                f"{tuple(getattr(attn_mask, 'shape', ()))}); use is_causal=True for causal "
-                "masking, or torch's scaled_dot_product_attention for other masks.",
+                MaskWithCausalError,
+                "_scaled_dot_product_attention: Explicit attn_mask should not be set when "
+                "is_causal=True",
             )
         )
+    if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        out.append(
+            (
+                TypeError,
+                "Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+                f"attn_mask.dtype: {attn_mask.dtype} and query.dtype: {q.dtype}.",
+            )
+        )
+    if attn_mask.device != q.device:
+        out.append(
+            (
+                ValueError,
+                f"Expected attn_mask on the device of query ({q.device}), but got "
+                f"{_desc('attn_mask', attn_mask)}.",
+            )
+        )
+    scores = (*q.shape[:-1], lk)
+    try:
+        broadcasts = torch.broadcast_shapes(attn_mask.shape, scores) == scores
+    except RuntimeError:
+        broadcasts = False
+    if not broadcasts:
+        out.append(
+            (
+                ValueError,
+                f"Expected attn_mask to broadcast to the attention scores {scores} "
+                "(..., heads, query length, key length), but got "
+                f"{_desc('attn_mask', attn_mask)}.",
+            )
+        )
+    return out
+
+
+def _argument_problems(dropout_p, is_causal, scale, enable_gqa) -> list[Problem]:
+    out: list[Problem] = []
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
         out.append((ValueError, f"Expected dropout_p in [0, 1], but got {dropout_p!r}."))
     elif dropout_p > 0.0:
@@ -179,11 +236,13 @@ def problems(
 
     ``kernels``: the call would run the Triton kernels (not the PyTorch fallback).
     """
-    out = _argument_problems(attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    out = _argument_problems(dropout_p, is_causal, scale, enable_gqa)
     tensor_problems = _tensor_problems(query, key, value)
     if tensor_problems:
         return out + tensor_problems
     out += _layout_problems(query, key, value, enable_gqa)
+    if attn_mask is not None:
+        out += _mask_problems(query, key, attn_mask, is_causal)
     if kernels:
         out += _kernel_problems(query, key, value)
     return out
@@ -192,6 +251,106 @@ def problems(
 def check(*args, **kwargs) -> None:
     """Raise the first problem of :func:`problems`, if any."""
     found = problems(*args, **kwargs)
+    if found:
+        exc_type, message = found[0]
+        raise exc_type(message)
+
+
+def _cu_seqlens_type_problems(name: str, cu, device) -> list[Problem]:
+    if not isinstance(cu, torch.Tensor):
+        return [(TypeError, f"Expected {name} to be an int32 tensor, but got {type(cu)}.")]
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+        return [
+            (
+                TypeError if cu.dtype != torch.int32 else ValueError,
+                f"Expected {name} to be a 1-D int32 tensor of n + 1 cumulative lengths, but got "
+                f"{_desc(name, cu)}.",
+            )
+        ]
+    if cu.device != device:
+        return [(ValueError, f"Expected {name} on {device}, but got {_desc(name, cu)}.")]
+    return []
+
+
+def _cu_seqlens_value_problems(name: str, values: list[int], total: int, max_name, max_len):
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if values[0] != 0 or any(n < 0 for n in lengths) or values[-1] != total:
+        shown = f"{values[:8]}{' ...' if len(values) > 8 else ''} (last {values[-1]})"
+        return [
+            (
+                ValueError,
+                f"Expected {name} to start at 0, never decrease and end at the number of "
+                f"packed tokens ({total}), but got {shown}.",
+            )
+        ]
+    if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral):
+        return [(TypeError, f"Expected {max_name} to be an int, but got {max_len!r}.")]
+    longest = max(lengths, default=0)
+    if max_len < longest:
+        return [
+            (
+                ValueError,
+                f"Expected {max_name} >= the longest sequence ({longest}), but got {max_len}.",
+            )  # fmt: skip
+        ]
+    return []
+
+
+def varlen_problems(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, kernels
+) -> list[Problem]:
+    """Every reason a :func:`flash_jvp.varlen_attention` call cannot run."""
+    out = _argument_problems(0.0, is_causal, scale, False)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.is_nested:
+            return out + [
+                (
+                    TypeError,
+                    f"flash_jvp.varlen_attention takes packed tensors, not nested ones ({name}); "
+                    "pass nt.values() and nt.offsets().int() as cu_seqlens.",
+                )
+            ]
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = _desc(name, t) if isinstance(t, torch.Tensor) else type(t)
+            return out + [
+                (
+                    ValueError if isinstance(t, torch.Tensor) else TypeError,
+                    f"Expected {name} to be a packed (total, heads, head_dim) tensor, but got "
+                    f"{got}.",
+                )
+            ]
+    # The dense checks on (1, H, total, E) views: dtypes, devices, heads, head dims.
+    views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    out += [p for p in _layout_problems(*views, True) if "length >= 1" not in p[1]]
+    if kernels:
+        out += _kernel_problems(*views)
+    if out:
+        return out
+    found = _cu_seqlens_type_problems("cu_seqlens_q", cu_seqlens_q, q.device)
+    found += _cu_seqlens_type_problems("cu_seqlens_k", cu_seqlens_k, q.device)
+    if found:
+        return found
+    n = cu_seqlens_q.numel()
+    if cu_seqlens_k.numel() != n:
+        return [
+            (
+                ValueError,
+                "Expected cu_seqlens_q and cu_seqlens_k of the same length (one entry per "
+                f"sequence, plus one), but got {n} and {cu_seqlens_k.numel()}.",
+            )
+        ]
+    values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()  # the one device-to-host copy
+    found = _cu_seqlens_value_problems(
+        "cu_seqlens_q", values[:n], q.shape[0], "max_seqlen_q", max_seqlen_q
+    )
+    return found + _cu_seqlens_value_problems(
+        "cu_seqlens_k", values[n:], k.shape[0], "max_seqlen_k", max_seqlen_k
+    )
+
+
+def check_varlen(*args) -> None:
+    """Raise the first problem of :func:`varlen_problems`, if any."""
+    found = varlen_problems(*args)
     if found:
         exc_type, message = found[0]
         raise exc_type(message)

@@ -8,9 +8,10 @@ import torch
 from torch._C._functorch import TransformType, is_batchedtensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad as fwAD
+from torch.nn.attention.bias import CausalBias
 
 from . import _validate, reference
-from ._utils import uses_kernels
+from ._utils import Spec, uses_kernels
 
 Tensor = torch.Tensor
 
@@ -35,7 +36,17 @@ def scaled_dot_product_attention(
         query: ``(N, ..., Hq, L, E)``; float16, bfloat16 or float32; any strides.
         key: ``(N, ..., Hkv, S, E)``, same dtype and device as ``query``.
         value: ``(N, ..., Hkv, S, Ev)``.
-        attn_mask: must be None for now (masks come in a later release).
+        attn_mask: boolean (True = take part) or additive float (float32 or query's dtype)
+            mask of any shape that broadcasts to ``(N, ..., Hq, L, S)`` — e.g. ``(L, S)``,
+            key padding ``(N, 1, 1, S)``, ``(N, Hq, L, S)`` or an expanded view; read
+            through its strides, never copied. Additive entries ``<= finfo(query.dtype).min``
+            (or ``-inf``) mask their key out exactly, so a row with every key masked gives
+            zeros in the output, its tangent and all gradients (math SDPA gives zeros for
+            all ``-inf`` rows and a plain average for all ``finfo.min`` rows). An additive
+            mask that requires grad gets its gradient; one that carries a forward-mode
+            tangent adds it to the tangent scores. Also accepted:
+            ``torch.nn.attention.bias.causal_upper_left(L, S)`` / ``causal_lower_right(L, S)``.
+            Key blocks a mask hides from a whole query block are skipped.
         dropout_p: must be 0.0 (dropout is not supported).
         is_causal: SDPA's top-left aligned causal mask, ``ones(L, S).tril()``: query ``i``
             attends keys ``j <= i``. For L=3, S=5 (``x`` = attends)::
@@ -53,19 +64,23 @@ def scaled_dot_product_attention(
         ``(N, ..., Hq, L, Ev)``, dtype of ``query``.
 
     Raises:
-        TypeError: a non-tensor input, an integer dtype, a non-bool ``is_causal``.
+        TypeError: a non-tensor input, an integer dtype, a non-bool ``is_causal``, an
+            ``attn_mask`` of another dtype than bool, float32 or query's.
         ValueError: wrong ndim; mismatched batch dims, heads, lengths, head dims, dtypes or
-            devices; ``Hq != Hkv`` without ``enable_gqa``; ``S == 0``.
-        NotImplementedError: ``attn_mask`` given; ``dropout_p > 0``; on the kernel path a dtype
-            other than float16/bfloat16/float32 (float16/float32 under Triton's interpreter)
-            or a head dim above 256.
+            devices; ``Hq != Hkv`` without ``enable_gqa``; ``S == 0``; an ``attn_mask`` that
+            does not broadcast to the scores; ``attn_mask`` together with ``is_causal=True``
+            (SDPA's message; the error is also a ``RuntimeError``, as SDPA's is).
+        NotImplementedError: ``dropout_p > 0``; on the kernel path a dtype other than
+            float16/bfloat16/float32 (float16/float32 under Triton's interpreter) or a head
+            dim above 256.
 
     Differentiation:
         * reverse mode (``.backward()``, ``torch.autograd.grad``): FlashAttention-2 backward.
         * forward mode (``torch.func.jvp``, ``torch.autograd.forward_ad`` dual tensors), with
           tangents on any subset of query/key/value: the tangent comes from the same fused
           pass that computes the output. Math: with S = scale * q k^T, P = softmax(S),
-          S_t = scale * (q_t k^T + q k_t^T), o_t = (P o S_t) v - rowsum(P o S_t) o + P v_t
+          S_t = scale * (q_t k^T + q k_t^T) [+ mask_t],
+          o_t = (P o S_t) v - rowsum(P o S_t) o + P v_t
           (the JVP of flash attention in Lu & Song, "Simplifying, Stabilizing and Scaling
           Continuous-Time Consistency Models", arXiv:2410.11081, 2024).
         * both in one step (primals that require grad, a JVP, a loss on ``o`` and
@@ -105,19 +120,94 @@ def scaled_dot_product_attention(
     _validate.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernels)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     if not kernels or _nested_forward_ad():
-        return reference.attention_ref(
-            query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-        )
+        return reference.attention_ref(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     from ._function import FlashAttnJVP  # imports triton: only on the kernel path
 
     lead = query.shape[:-3]
     q, k, v = (x.reshape(math.prod(lead), *x.shape[-3:]) for x in (query, key, value))
+    offset = reference.causal_offset(is_causal, attn_mask, q.shape[-2], k.shape[-2])
+    mask = None if isinstance(attn_mask, CausalBias) else _mask_4d(attn_mask, lead)
     tangents = [_tangent(x, name) for x, name in zip((q, k, v), ("query", "key", "value"))]
-    o = FlashAttnJVP.apply(q, k, v, *tangents, scale, is_causal)[0]
+    mask_t = None if mask is None or mask.dtype == torch.bool else _tangent(mask, "attn_mask")
+    spec = Spec(scale, offset)
+    o = FlashAttnJVP.apply(q, k, v, mask, *tangents, mask_t, spec)[0]
     return o.reshape(*lead, *o.shape[1:])
 
 
+def _mask_4d(mask: Tensor | None, lead: tuple[int, ...]) -> Tensor | None:
+    """attn_mask (broadcasting to (*lead, H, Lq, Lk)) as a 4-D view (B or 1, h, lq, lk) whose
+    size-1 dims broadcast; only a mask with several distinct leading dims is copied."""
+    if mask is None:
+        return None
+    mask = mask.reshape((1,) * (len(lead) + 3 - mask.dim()) + tuple(mask.shape))
+    if all(n == 1 for n in mask.shape[:-3]):
+        return mask.reshape(1, *mask.shape[-3:])
+    mask = mask.expand(*lead, *mask.shape[-3:])
+    return mask.reshape(math.prod(lead), *mask.shape[-3:])
+
+
 attention = scaled_dot_product_attention
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention over a packed batch of variable-length sequences (no padding), with the
+    same differentiation support as :func:`scaled_dot_product_attention`.
+
+    The layout of ``flash_attn_varlen_func``: sequence ``i`` is rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of ``q`` and attends only to keys
+    ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]`` of ``k``/``v``.
+
+    Args:
+        q: ``(total_q, Hq, E)``; float16, bfloat16 or float32; any strides.
+        k: ``(total_k, Hkv, E)``, same dtype and device; ``Hq`` a multiple of ``Hkv`` (GQA).
+        v: ``(total_k, Hkv, Ev)``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(n + 1,)`` on q's device: 0, then the running
+            total of each sequence's length (lengths 0 and 1 allowed); both for ``n``
+            sequences; the last entry equals ``total_q`` / ``total_k``.
+        max_seqlen_q, max_seqlen_k: the longest query / key sequence (at least the true
+            maxima; they size the launch grid).
+        is_causal: per sequence, SDPA's top-left alignment (query ``i`` attends keys
+            ``j <= i`` of its own sequence); flash-attn's varlen causal is bottom-right
+            when a sequence's query and key lengths differ.
+        scale: score scale; default ``1 / sqrt(E)``.
+
+    Returns:
+        ``(total_q, Hq, Ev)``, dtype of ``q``. A sequence with no keys gives zeros.
+
+    Raises:
+        TypeError: non-tensor inputs, cu_seqlens not int32, a nested (jagged) tensor.
+        ValueError: wrong ndim, mismatched heads/head dims/dtypes/devices, cu_seqlens that do
+            not start at 0, decrease, differ in length or do not end at the totals, a
+            max_seqlen below the longest sequence.
+        NotImplementedError: unsupported dtype or head dim on the kernel path.
+
+    The cu_seqlens are checked on the host before launch (one small device-to-host copy).
+    Nested jagged tensors are not accepted: pass ``nt.values()`` and ``nt.offsets()``
+    (converted to int32) instead. ``torch.func.vmap`` over this function is not supported.
+    """
+    kernels = _kernels(q)
+    _validate.check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, kernels
+    )
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not kernels or _nested_forward_ad():
+        return reference.varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale)
+    from ._function import FlashAttnJVP
+
+    spec = Spec(scale, 0 if is_causal else None, cu_seqlens_q, cu_seqlens_k,
+                int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
+    tangents = [_tangent(x, name) for x, name in zip((q, k, v), ("q", "k", "v"))]
+    return FlashAttnJVP.apply(q, k, v, None, *tangents, None, spec)[0]
 
 
 def supports(

@@ -4,7 +4,10 @@ FLOP convention (per forward, halved when causal): fwd = 4 B H Lq Lk E; fwd+JVP 
 (QK^T, PV, Q_tK^T, QK_t^T, (P o S_t)V, PV_t) = 12 B H Lq Lk E; bwd = 2.5 x fwd;
 fwd+JVP+bwd = 5.5 x fwd; fwd+bwd = 3.5 x fwd. Times are medians of CUDA-event timings
 (``triton.testing.do_bench``); memory is the peak allocated during one call, inputs excluded.
-Each method's inputs are fresh random tensors; nothing is timed on zeros.
+Each method's inputs are fresh random tensors; nothing is timed on zeros. On the long
+non-causal E=64 shapes it also times a 10 % key-padding mask against no mask, and a packed
+(varlen) batch of lengths L, 3L/4, L/2, L/4 against the same batch padded to L with a
+key-padding mask (their TFLOP/s use the dense shape's nominal FLOPs: compare times).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import attention
+from . import attention, varlen_attention
 from ._env import environment
 
 GIB = 2**30
@@ -103,6 +106,44 @@ def _backend(backend: SDPBackend):
     return fn
 
 
+def _key_padding(s: Shape, frac: float = 0.1) -> torch.Tensor:
+    """(B, 1, 1, L) boolean: the last ``frac`` of every sample's keys are padding."""
+    keep = torch.arange(s.L, device="cuda") < round(s.L * (1 - frac))
+    return keep.expand(s.B, 1, 1, s.L)
+
+
+def _padded(fn, s: Shape):
+    """fn with a 10 % key-padding mask (attn_mask and is_causal exclude each other)."""
+    mask = _key_padding(s)
+    return lambda q, k, v, is_causal: fn(q, k, v, attn_mask=mask)
+
+
+def _lengths(s: Shape) -> list[int]:
+    """Mixed lengths for the packed-vs-padded comparison: L, 3L/4, L/2, L/4, ... (B of them)."""
+    return [max(1, s.L * (4 - i % 4) // 4) for i in range(s.B)]
+
+
+def _varlen_jvp(s: Shape) -> Callable[[], object]:
+    """fwd+JVP of a packed batch of the lengths :func:`_lengths` (no padding)."""
+    lengths = torch.tensor(_lengths(s), device="cuda")
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    shape = (int(cu[-1]), s.H, s.E)
+    q, k, v, *tangents = (torch.randn(shape, device="cuda", dtype=getattr(torch, s.dtype))
+                          for _ in range(6))  # fmt: skip
+
+    def fn(q, k, v):
+        return varlen_attention(q, k, v, cu, cu, s.L, s.L)
+
+    return lambda: torch.func.jvp(fn, (q, k, v), tuple(tangents))
+
+
+def _padded_dense_jvp(s: Shape) -> Callable[[], object]:
+    """The same batch as :func:`_varlen_jvp`, padded to L with a key-padding mask."""
+    keep = torch.arange(s.L, device="cuda") < torch.tensor(_lengths(s), device="cuda")[:, None]
+    mask = keep[:, None, None, :]
+    return _jvp(lambda q, k, v, is_causal: attention(q, k, v, attn_mask=mask), s)
+
+
 # (method, mode, factory): each factory builds inputs and returns the callable to time.
 METHODS = (
     ("flash_jvp", "fwd", lambda s: _fwd(attention, s)),
@@ -112,6 +153,15 @@ METHODS = (
     ("sdpa_flash", "fwd", lambda s: _fwd(_backend(SDPBackend.FLASH_ATTENTION), s)),
     ("sdpa_flash", "fwd+bwd", lambda s: _fwd_bwd(_backend(SDPBackend.FLASH_ATTENTION), s)),
     ("sdpa_math", "fwd+jvp", lambda s: _jvp(_backend(SDPBackend.MATH), s)),
+)
+# Masks and packed batches, on the long non-causal E=64 shapes: 10 % key padding against no
+# mask, and a packed batch of mixed lengths against the same batch padded (nominal FLOPs
+# of the dense shape for all of them, so compare times).
+MASK_METHODS = (
+    ("flash_jvp pad10%", "fwd+jvp", lambda s: _jvp(_padded(attention, s), s)),
+    ("flash_jvp pad10%", "fwd+jvp+bwd", lambda s: _jvp_bwd(_padded(attention, s), s)),
+    ("flash_jvp varlen", "fwd+jvp", _varlen_jvp),
+    ("flash_jvp padded", "fwd+jvp", _padded_dense_jvp),
 )
 
 
@@ -175,6 +225,12 @@ def ratios(rows: list[Row]) -> list[dict]:
                     ms("flash_jvp", "fwd+jvp+bwd") / ms("sdpa_flash", "fwd+bwd"),
                 "fwd / flash fwd": ms("flash_jvp", "fwd") / ms("sdpa_flash", "fwd"),
                 "math jvp / fwd+jvp": ms("sdpa_math", "fwd+jvp") / ms("flash_jvp", "fwd+jvp"),
+                "pad10% / no mask, fwd+jvp":
+                    ms("flash_jvp pad10%", "fwd+jvp") / ms("flash_jvp", "fwd+jvp"),
+                "pad10% / no mask, fwd+jvp+bwd":
+                    ms("flash_jvp pad10%", "fwd+jvp+bwd") / ms("flash_jvp", "fwd+jvp+bwd"),
+                "varlen / padded, fwd+jvp":
+                    ms("flash_jvp varlen", "fwd+jvp") / ms("flash_jvp padded", "fwd+jvp"),
             }
         )  # fmt: skip
     return out
@@ -230,7 +286,8 @@ def run_bench(out_dir: str, quick: bool, console: Console) -> int:
         return 2
     rows = []
     for s in shapes(quick):
-        for method, mode, factory in METHODS:
+        extra = MASK_METHODS if s.E == 64 and not s.is_causal and s.L >= 4096 else ()
+        for method, mode, factory in METHODS + extra:
             ms, peak = _measure(factory, s)
             tflops = s.flops(mode) / (ms * 1e-3) / 1e12 if math.isfinite(ms) else math.nan
             rows.append(Row(method, mode, s.B, s.H, s.L, s.E, s.is_causal, s.dtype, ms, tflops,

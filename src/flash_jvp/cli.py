@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch.nn.attention.bias import causal_lower_right
 
-from . import _check, _utils, attention
+from . import _check, _utils, attention, reference, varlen_attention
 from ._env import environment
 
 
@@ -27,12 +28,40 @@ class Case:
     Ev: int
     dtype: str
     is_causal: bool = False
+    mask: str = ""  # "", or a key of MASKS; "varlen": B packed sequences of up to Lq tokens
 
     @property
     def shape(self) -> str:
         heads = f"{self.Hq}" if self.Hq == self.Hkv else f"{self.Hq}/{self.Hkv}"
         ev = "" if self.E == self.Ev else f"/{self.Ev}"
         return f"B{self.B} H{heads} Lq{self.Lq} Lk{self.Lk} E{self.E}{ev}"
+
+
+def _key_padding(case: Case, gen, device) -> torch.Tensor:
+    """(B, 1, 1, Lk) boolean: each sample keeps a random 50-100 % prefix of its keys."""
+    keep = torch.randint(case.Lk // 2, case.Lk + 1, (case.B,), generator=gen, device=device)
+    return (torch.arange(case.Lk, device=device) < keep[:, None])[:, None, None, :]
+
+
+def _alibi(case: Case, gen, device) -> torch.Tensor:
+    """(1, Hq, Lq, Lk) additive ALiBi bias: -slope_h * |i - j|, in the case's dtype."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, case.Hq + 1, device=device) / case.Hq)
+    dist = torch.arange(case.Lq, device=device)[:, None] - torch.arange(case.Lk, device=device)
+    return (-slopes[:, None, None] * dist.abs()).to(getattr(torch, case.dtype))[None]
+
+
+def _random_bool(case: Case, gen, device) -> torch.Tensor:
+    """(B, Hq, Lq, Lk) boolean, each entry kept with probability 1/2."""
+    shape = (case.B, case.Hq, case.Lq, case.Lk)
+    return torch.rand(shape, generator=gen, device=device) < 0.5
+
+
+MASKS = {
+    "key padding": _key_padding,
+    "ALiBi bias": _alibi,
+    "random bool": _random_bool,
+    "lower right": lambda case, gen, device: causal_lower_right(case.Lq, case.Lk),
+}
 
 
 # Shapes of real models: DiT-XL/2 (16 heads of 72), SD3 (24 of 64), Flux/Wan (24 of 128),
@@ -47,6 +76,11 @@ CUDA_CASES = (
     Case("cross-attn to 77 tokens", 2, 16, 16, 1024, 77, 64, 64, "bfloat16"),
     Case("causal odd length, E=80", 1, 16, 16, 1000, 1000, 80, 80, "float16", True),
     Case("fp32 (IEEE)", 1, 8, 8, 512, 512, 64, 64, "float32"),
+    Case("BERT-like, key padding", 8, 12, 12, 512, 512, 64, 64, "bfloat16", mask="key padding"),
+    Case("ALiBi bias", 1, 16, 16, 2048, 2048, 128, 128, "float16", mask="ALiBi bias"),
+    Case("random mask, E=80", 2, 8, 8, 1000, 1000, 80, 80, "float16", mask="random bool"),
+    Case("KV-cache, lower right", 2, 16, 16, 256, 1280, 64, 64, "bfloat16", mask="lower right"),
+    Case("packed varlen GQA", 8, 16, 4, 2048, 2048, 128, 128, "bfloat16", True, "varlen"),
 )
 # Small enough for Triton's interpreter (or the fallback) in about a minute.
 CPU_CASES = (
@@ -54,6 +88,8 @@ CPU_CASES = (
     Case("causal, E=72", 1, 2, 2, 100, 100, 72, 72, "float16", True),
     Case("GQA, Lq != Lk", 1, 4, 2, 33, 65, 32, 32, "float32"),
     Case("one token", 1, 2, 2, 1, 1, 64, 64, "float16"),
+    Case("key padding", 2, 2, 2, 65, 65, 32, 32, "float32", mask="key padding"),
+    Case("packed varlen", 3, 2, 2, 50, 50, 32, 32, "float16", True, "varlen"),
 )
 
 
@@ -64,12 +100,29 @@ def _inputs(case: Case, device: str, seed: int):
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
-    q = randn(case.B, case.Hq, case.Lq, case.E)
-    k = randn(case.B, case.Hkv, case.Lk, case.E)
-    v = randn(case.B, case.Hkv, case.Lk, case.Ev)
+    if case.mask == "varlen":  # packed (total, H, E); lengths 1..Lq
+        lengths = torch.randint(1, case.Lq + 1, (case.B,), generator=gen, device=device)
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        total = int(cu[-1])
+        q, k = randn(total, case.Hq, case.E), randn(total, case.Hkv, case.E)
+        v = randn(total, case.Hkv, case.Ev)
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=case.is_causal)
+    else:
+        q = randn(case.B, case.Hq, case.Lq, case.E)
+        k = randn(case.B, case.Hkv, case.Lk, case.E)
+        v = randn(case.B, case.Hkv, case.Lk, case.Ev)
+        kwargs = dict(is_causal=case.is_causal, enable_gqa=case.Hq != case.Hkv)
+        if case.mask:
+            kwargs["attn_mask"] = MASKS[case.mask](case, gen, device)
     tangents = tuple(randn(*x.shape) for x in (q, k, v))
-    do = randn(case.B, case.Hq, case.Lq, case.Ev)
-    return q, k, v, tangents, do
+    do = randn(*q.shape[:-1], case.Ev)
+    return q, k, v, tangents, do, kwargs
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal):
+    """flash_jvp.varlen_attention with the longest lengths taken from cu_seqlens."""
+    max_q, max_k = (int((cu[1:] - cu[:-1]).max()) for cu in (cu_seqlens_q, cu_seqlens_k))
+    return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, is_causal)
 
 
 def path_name(device: str) -> str:
@@ -83,23 +136,24 @@ def path_name(device: str) -> str:
 def run_check(device: str, seed: int, console: Console) -> list[dict]:
     cases = CUDA_CASES if device == "cuda" else CPU_CASES
     table = Table(title=f"flash_jvp check: {path_name(device)}")
-    for col in ("case", "shape", "dtype", "causal", *_check.NAMES, "pass"):
+    for col in ("case", "shape", "dtype", "causal", "mask", *_check.NAMES, "pass"):
         table.add_column(col, justify="right" if col in _check.NAMES else "left")
     rows = []
     for i, case in enumerate(cases):
-        q, k, v, tangents, do = _inputs(case, device, seed + i)
-        comps = _check.check_outputs(
-            attention, q, k, v, tangents, do, is_causal=case.is_causal,
-            enable_gqa=case.Hq != case.Hkv,
-        )  # fmt: skip
+        q, k, v, tangents, do, kwargs = _inputs(case, device, seed + i)
+        if case.mask == "varlen":
+            fn, ref_fn = _varlen, reference.varlen_math_sdpa
+        else:
+            fn, ref_fn = attention, reference.math_sdpa
+        comps = _check.check_outputs(fn, q, k, v, tangents, do, ref_fn=ref_fn, **kwargs)
         ok = all(c.ok for c in comps)
         cells = [f"{c.err:.1e}" + ("" if c.ok else f" > {c.tol:.1e}") for c in comps]
         table.add_row(
-            case.name, case.shape, case.dtype, str(case.is_causal), *cells,
+            case.name, case.shape, case.dtype, str(case.is_causal), case.mask, *cells,
             "[green]pass" if ok else "[red]FAIL",
         )  # fmt: skip
         rows.append({**asdict(case), "pass": ok, "errors": [asdict(c) for c in comps]})
-        del q, k, v, tangents, do
+        del q, k, v, tangents, do, kwargs
         if device == "cuda":
             torch.cuda.empty_cache()
     console.print(table)

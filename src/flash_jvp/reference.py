@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, CausalVariant
+
+from ._utils import Spec
 
 Tensor = torch.Tensor
 
@@ -28,45 +31,104 @@ def _sum_groups(x: Tensor, n_kv_heads: int) -> Tensor:
     return x.reshape(*lead, n_kv_heads, hq // n_kv_heads, l, e).sum(-3)
 
 
-def _causal_keep(lq: int, lk: int, device: torch.device) -> Tensor:
-    """SDPA's top-left causal mask: query i attends keys j <= i."""
-    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
-
-
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def causal_offset(is_causal: bool, attn_mask, lq: int, lk: int) -> int | None:
+    """The causal diagonal as an offset (query i sees keys j <= i + offset), or None.
+
+    ``is_causal`` and ``causal_upper_left`` objects are top-left (0);
+    ``causal_lower_right`` is bottom-right (lk - lq).
+    """
+    if isinstance(attn_mask, CausalBias):
+        return 0 if attn_mask.variant == CausalVariant.UPPER_LEFT else lk - lq
+    return 0 if is_causal else None
+
+
+def canonical_mask(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """An additive mask with entries <= finfo(dtype).min set to -inf (the masking rule of
+    flash_jvp: such keys are masked out exactly); boolean masks and None pass through."""
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return attn_mask
+    return attn_mask.masked_fill(attn_mask <= torch.finfo(dtype).min, -math.inf)
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, offset: int | None, mask, mask_min) -> Tensor:
+    s = (q @ k.transpose(-2, -1)) * scale
+    if offset is not None:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(offset)
+        s = s.masked_fill(~keep, -math.inf)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, -math.inf)
+        else:
+            s = s + mask.to(s.dtype).masked_fill(mask <= mask_min, -math.inf)
+    return s
+
+
+def _softmax_probs(q, k, scale, offset=None, mask=None, mask_min=-math.inf) -> Tensor:
+    # The softmax math SDPA uses (torch >= 2.5): rows with every key masked give zeros.
+    return torch.ops.aten._safe_softmax(_scores(q, k, scale, offset, mask, mask_min), -1)
 
 
 def attention_ref(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    attn_mask: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
     upcast: bool = True,
 ) -> Tensor:
-    """softmax(scale * q k^T [+ causal mask]) v in plain torch ops (the CPU fallback).
+    """softmax(scale * q k^T [+ mask]) v in plain torch ops (the CPU fallback).
 
-    Shapes as SDPA: q (..., Hq, Lq, E), k (..., Hkv, Lk, E), v (..., Hkv, Lk, Ev) ->
-    (..., Hq, Lq, Ev). With ``upcast`` the math runs in float32 (float64 stays float64) and
-    the result is cast back to q's dtype. Rows with no visible key give zeros.
+    Arguments and shapes as SDPA: q (..., Hq, Lq, E), k (..., Hkv, Lk, E), v (..., Hkv, Lk,
+    Ev) -> (..., Hq, Lq, Ev); ``attn_mask`` boolean, additive, or a ``CausalBias``. With
+    ``upcast`` the math runs in float32 (float64 stays float64) and the result is cast back
+    to q's dtype. Additive entries <= finfo(q.dtype).min mask their key out exactly; rows with
+    no visible key give zeros.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    offset = causal_offset(is_causal, attn_mask, q.shape[-2], k.shape[-2])
+    mask = None if isinstance(attn_mask, CausalBias) else attn_mask
     dtype = _compute_dtype(q.dtype) if upcast else q.dtype
     qc, kc, vc = (x.to(dtype) for x in (q, k, v))
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         kc, vc = _expand_kv(kc, q.shape[-3]), _expand_kv(vc, q.shape[-3])
-    p = _softmax_probs(qc, kc, scale, is_causal)
+    p = _softmax_probs(qc, kc, scale, offset, mask, torch.finfo(q.dtype).min)
     return (p @ vc).to(q.dtype)
 
 
-def _softmax_probs(q: Tensor, k: Tensor, scale: float, is_causal: bool) -> Tensor:
-    s = (q @ k.transpose(-2, -1)) * scale
-    if is_causal:
-        s = s.masked_fill(~_causal_keep(s.shape[-2], s.shape[-1], s.device), -math.inf)
-    # The softmax math SDPA uses (torch >= 2.5): rows with every key masked give zeros.
-    return torch.ops.aten._safe_softmax(s, -1)
+def varlen_attention_ref(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale=None, fn=attention_ref
+):
+    """:func:`flash_jvp.varlen_attention` one sequence at a time through ``fn`` (an SDPA-like
+    function, :func:`attention_ref` by default): packed q (total_q, Hq, E), k/v
+    (total_k, Hkv, E|Ev) -> (total_q, Hq, Ev)."""
+    outs = [
+        fn(qs, ks, vs, is_causal=is_causal, scale=scale, enable_gqa=True)
+        for qs, ks, vs in _sequences(cu_seqlens_q, cu_seqlens_k, (q,), (k, v))
+    ]
+    return _pack(outs, q, v.shape[-1])
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, rows: tuple, keys: tuple):
+    """Per packed sequence: the tensors of ``rows`` (indexed by query) and ``keys`` (by key)
+    cut to that sequence, as (H, L, E) views (None stays None)."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        r, c = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        cut = [None if x is None else x[r].transpose(0, 1) for x in rows]
+        cut += [None if x is None else x[c].transpose(0, 1) for x in keys]
+        yield cut
+
+
+def _pack(outs: list[Tensor], q: Tensor, ev: int) -> Tensor:
+    if not outs:
+        return q.new_zeros(*q.shape[:-1], ev)
+    return torch.cat([o.transpose(0, 1) for o in outs], dim=0)
 
 
 def _tangents(dtype, hq, pairs):
@@ -85,24 +147,42 @@ def attention_jvp(
     q_t: Tensor | None,
     k_t: Tensor | None,
     v_t: Tensor | None,
-    scale: float,
-    is_causal: bool,
+    mask: Tensor | None,
+    mask_t: Tensor | None,
+    spec: Spec,
 ) -> Tensor:
-    """Tangent o_t of attention for tangents of q, k, v (None = zero), in closed form.
+    """Tangent o_t of attention for tangents of q, k, v and an additive mask (None = zero),
+    in closed form.
 
-    S_t = scale (q_t k^T + q k_t^T), P_t = P o (S_t - rowsum(P o S_t)), o_t = P_t v + P v_t,
-    in float32 (float64 stays float64), cast to q's dtype. Shapes as :func:`attention_ref`.
-    Used where the fused kernel cannot run (tensors wrapped by an enclosing torch.func
-    transform, e.g. ``torch.func.jvp(torch.func.grad(f))``).
+    S_t = scale (q_t k^T + q k_t^T) + mask_t, P_t = P o (S_t - rowsum(P o S_t)),
+    o_t = P_t v + P v_t, in float32 (float64 stays float64), cast to q's dtype. Shapes as
+    :func:`attention_ref` (packed ones with ``spec.varlen``). Used where the fused kernel
+    cannot run (tensors wrapped by an enclosing torch.func transform).
     """
+    if spec.varlen:
+        cut = _sequences(spec.cu_seqlens_q, spec.cu_seqlens_k, (q, q_t), (k, v, k_t, v_t))
+        outs = [
+            attention_jvp(qs, ks, vs, qts, kts, vts, None, None, _dense(spec))
+            for qs, qts, ks, vs, kts, vts in cut
+        ]
+        return _pack(outs, q, v.shape[-1])
     dtype = _compute_dtype(q.dtype)
     hq = q.shape[-3]
     q_, k_, v_ = q.to(dtype), _expand_kv(k.to(dtype), hq), _expand_kv(v.to(dtype), hq)
     q_t_, k_t_, v_t_ = _tangents(dtype, hq, ((q_t, q_, False), (k_t, k_, True), (v_t, v_, True)))
-    p = _softmax_probs(q_, k_, scale, is_causal)
-    s_t = scale * (q_t_ @ k_.transpose(-2, -1) + q_ @ k_t_.transpose(-2, -1))
+    p = _softmax_probs(q_, k_, spec.scale, spec.causal_offset, mask, torch.finfo(q.dtype).min)
+    s_t = _tangent_scores(q_, k_, q_t_, k_t_, mask_t, spec.scale)
     p_t = p * (s_t - (p * s_t).sum(-1, keepdim=True))
     return (p_t @ v_ + p @ v_t_).to(q.dtype)
+
+
+def _dense(spec: Spec) -> Spec:
+    return Spec(spec.scale, spec.causal_offset)
+
+
+def _tangent_scores(q, k, q_t, k_t, mask_t, scale) -> Tensor:
+    s_t = scale * (q_t @ k.transpose(-2, -1) + q @ k_t.transpose(-2, -1))
+    return s_t if mask_t is None else s_t + mask_t.to(s_t.dtype)
 
 
 def attention_bwd_jvp(
@@ -114,16 +194,29 @@ def attention_bwd_jvp(
     k_t: Tensor | None,
     v_t: Tensor | None,
     do_t: Tensor | None,
-    scale: float,
-    is_causal: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Tangents of (dq, dk, dv) — forward-over-reverse — for tangents of q, k, v and do.
+    mask: Tensor | None,
+    mask_t: Tensor | None,
+    spec: Spec,
+    mask_grad: bool = False,
+) -> tuple[Tensor, ...]:
+    """Tangents of (dq, dk, dv[, dmask]) — forward-over-reverse — for tangents of q, k, v,
+    do and an additive mask.
 
     Differentiates the backward formulas (P = softmax(S), dV = P^T dO, dP = dO V^T,
-    delta = rowsum(P o dP), dS = P o (dP - delta), dQ = s dS K, dK = s dS^T Q) along the
-    tangents, in closed form, in float32 (float64 stays float64); None tangents count as zero.
-    Shapes as :func:`attention_ref`; returns tensors shaped and typed like q, k, v.
+    delta = rowsum(P o dP), dS = P o (dP - delta), dQ = s dS K, dK = s dS^T Q, dmask = dS)
+    along the tangents, in closed form, in float32 (float64 stays float64); None tangents
+    count as zero. Returns tensors shaped and typed like q, k, v (and the mask with
+    ``mask_grad``, summed over its broadcast dims).
     """
+    if spec.varlen:
+        cut = _sequences(spec.cu_seqlens_q, spec.cu_seqlens_k, (q, do, q_t, do_t), (k, v, k_t, v_t))
+        per_seq = [
+            attention_bwd_jvp(qs, ks, vs, dos, qts, kts, vts, dots, None, None, _dense(spec))
+            for qs, dos, qts, dots, ks, vs, kts, vts in cut
+        ]
+        return tuple(
+            _pack([g[i] for g in per_seq], like, like.shape[-1]) for i, like in enumerate((q, k, v))
+        )
     dtype = _compute_dtype(q.dtype)
     hq, hkv = q.shape[-3], k.shape[-3]
     q_, do_ = q.to(dtype), do.to(dtype)
@@ -132,8 +225,8 @@ def attention_bwd_jvp(
         dtype, hq, ((q_t, q_, False), (k_t, k_, True), (v_t, v_, True), (do_t, do_, False))
     )
 
-    p = _softmax_probs(q_, k_, scale, is_causal)
-    s_t = scale * (q_t_ @ k_.transpose(-2, -1) + q_ @ k_t_.transpose(-2, -1))
+    p = _softmax_probs(q_, k_, spec.scale, spec.causal_offset, mask, torch.finfo(q.dtype).min)
+    s_t = _tangent_scores(q_, k_, q_t_, k_t_, mask_t, spec.scale)
     p_t = p * (s_t - (p * s_t).sum(-1, keepdim=True))
     dp = do_ @ v_.transpose(-2, -1)
     dp_t = do_t_ @ v_.transpose(-2, -1) + do_ @ v_t_.transpose(-2, -1)
@@ -142,10 +235,14 @@ def attention_bwd_jvp(
     ds = p * (dp - delta)
     ds_t = p_t * (dp - delta) + p * (dp_t - delta_t)
 
+    scale = spec.scale
     dq_t = scale * (ds_t @ k_ + ds @ k_t_)
     dk_t = scale * (ds_t.transpose(-2, -1) @ q_ + ds.transpose(-2, -1) @ q_t_)
     dv_t = p_t.transpose(-2, -1) @ do_ + p.transpose(-2, -1) @ do_t_
-    return dq_t.to(q.dtype), _sum_groups(dk_t, hkv).to(k.dtype), _sum_groups(dv_t, hkv).to(v.dtype)
+    out = (dq_t.to(q.dtype), _sum_groups(dk_t, hkv).to(k.dtype), _sum_groups(dv_t, hkv).to(v.dtype))
+    if mask_grad:
+        out += (ds_t.sum_to_size(mask.shape).to(mask.dtype),)
+    return out
 
 
 @dataclass
@@ -180,6 +277,11 @@ def math_sdpa(q, k, v, **kwargs) -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+def varlen_math_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale=None):
+    """The varlen oracle: math SDPA on each packed sequence separately."""
+    return varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, math_sdpa)
+
+
 def sdpa_outputs(
     q, k, v, tangents, do, dtype: torch.dtype | None = torch.float64, fn=math_sdpa, **kwargs
 ):
@@ -187,12 +289,19 @@ def sdpa_outputs(
     in ``dtype`` (None: as given).
 
     With float64 this is the reference every result is measured against; with the inputs'
-    own dtype it measures what PyTorch itself gets, which sets the tolerance.
+    own dtype it measures what PyTorch itself gets, which sets the tolerance. An additive
+    ``attn_mask`` goes through :func:`canonical_mask` (flash_jvp's masking rule) and is cast
+    too; ``CausalBias`` objects are materialised.
     """
 
     def cast(x):
         return None if x is None else x.detach().to(dtype or x.dtype)
 
+    mask = kwargs.get("attn_mask")
+    if isinstance(mask, CausalBias):
+        kwargs["attn_mask"] = mask._materialize(q.device)
+    elif isinstance(mask, Tensor) and mask.dtype != torch.bool:
+        kwargs["attn_mask"] = cast(canonical_mask(mask, q.dtype))
     return run_outputs(
         fn, cast(q), cast(k), cast(v), tuple(cast(t) for t in tangents), cast(do), **kwargs
     )

@@ -1,4 +1,4 @@
-"""Attention backward: FlashAttention-2 style (Dao, 2023, Alg. 2), two kernels, no atomics.
+"""Attention backward: FlashAttention-2 style (Dao, 2023, Alg. 2), two kernels.
 
 With P = exp(scale * q k^T - lse) rebuilt from the saved log-sum-exp:
 
@@ -7,16 +7,29 @@ With P = exp(scale * q k^T - lse) rebuilt from the saved log-sum-exp:
 
 `attn_bwd_dkdv_kernel` owns one key block and walks the query blocks of every query head of
 its group (so GQA sums dK/dV over the group without atomics); `attn_bwd_dq_kernel` owns one
-query block and walks the key blocks. Results are deterministic.
+query block and walks the key blocks. dq, dk, dv are deterministic (no atomics).
 
 Out-of-range query rows read lse = +inf (so P = 0) and dO = 0; fully masked rows (lse = -inf)
-are mapped to +inf the same way, so they contribute nothing.
+are mapped to +inf the same way, so they contribute nothing. An attn_mask is applied as in the
+forward, with the same block skipping; the gradient of an additive mask is dS itself, summed
+over the mask's broadcast dims with fp32 atomic adds by the dq kernel. Packed batches
+(VARLEN) as in the forward.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, key_range, load_tile, score_mask, store_tile
+from .common import (
+    LOG2E,
+    apply_mask,
+    key_range,
+    load_mask,
+    load_tile,
+    mask_range,
+    score_mask,
+    seq_bounds,
+    store_tile,
+)
 
 
 @triton.jit
@@ -24,6 +37,7 @@ def attn_bwd_preprocess_kernel(
     O,
     DO,
     DELTA,
+    CU_SEQLENS_Q,
     stride_ob,
     stride_oh,
     stride_om,
@@ -32,25 +46,33 @@ def attn_bwd_preprocess_kernel(
     stride_doh,
     stride_dom,
     stride_dod,
+    stride_lb,
+    stride_lh,
     H,
     Lq,
     DV: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
-    """delta = rowsum(o * do) in float32, shape (B, H, Lq). Grid: (cdiv(Lq, BLOCK_M), B * H)."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """delta = rowsum(o * do) in float32, laid out like lse. Grid: (cdiv(Lq, BLOCK_M), B * H)."""
+    start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
+    q_start, Lq, _, _ = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_Q, off_b, Lq, Lq, VARLEN)
+    if start_m >= Lq:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, HEAD_DIM_V)
     pad = DV != HEAD_DIM_V
-    o = load_tile(O + off_b * stride_ob + off_h * stride_oh, offs_m, offs_dv, stride_om,
-                  stride_od, Lq, DV, True, pad)  # fmt: skip
-    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, offs_dv, stride_dom,
-                   stride_dod, Lq, DV, True, pad)  # fmt: skip
+    o = load_tile(O + off_b * stride_ob + off_h * stride_oh + q_start * stride_om, offs_m, offs_dv,
+                  stride_om, stride_od, Lq, DV, True, pad)  # fmt: skip
+    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom, offs_m,
+                   offs_dv, stride_dom, stride_dod, Lq, DV, True, pad)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
+    row_base = off_b * stride_lb + off_h * stride_lh + q_start
+    tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < Lq)
 
 
 @triton.jit
@@ -71,6 +93,7 @@ def _attn_bwd_dkdv_inner(
     offs_n,
     q_base,
     do_base,
+    mask_base,
     LSE,
     DELTA,
     row_base,
@@ -78,16 +101,24 @@ def _attn_bwd_dkdv_inner(
     stride_qd,
     stride_dom,
     stride_dod,
+    stride_mm,
+    stride_mn,
     lo,
     hi,
     Lq,
+    Lk,
+    causal_offset,
     qk_scale,
+    mask_min,
     D: tl.constexpr,
     DV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MASK: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SAME_ROWS: tl.constexpr,
+    MASK_SAME_COLS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
@@ -102,12 +133,71 @@ def _attn_bwd_dkdv_inner(
         # Transposed scores [BLOCK_N, BLOCK_M] so P^T is never transposed in registers.
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
         if MASK:  # causal diagonal blocks only (key bounds never reach a stored row)
-            qk_t = tl.where(offs_m[None, :] >= offs_n[:, None], qk_t, float("-inf"))
+            qk_t = tl.where(offs_m[None, :] + causal_offset >= offs_n[:, None], qk_t, float("-inf"))
+        if MASK_KIND != 0:  # the mask tile transposed: rows are keys, columns query rows
+            vals = load_mask(mask_base, offs_n, offs_m, stride_mn, stride_mm, Lk, Lq,
+                             MASK_SAME_COLS, MASK_SAME_ROWS)  # fmt: skip
+            qk_t = apply_mask(qk_t, vals, mask_min, MASK_KIND)
         p_t = tl.math.exp2(qk_t - lse[None, :])
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_stages(
+    dk,
+    dv,
+    k,
+    v,
+    offs_n,
+    q_base,
+    do_base,
+    mask_base,
+    LSE,
+    DELTA,
+    row_base,
+    stride_qm,
+    stride_qd,
+    stride_dom,
+    stride_dod,
+    stride_mm,
+    stride_mn,
+    lo,
+    mid,
+    r_lo,
+    r_hi,
+    Lq,
+    Lk,
+    causal_offset,
+    qk_scale,
+    mask_min,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SAME_ROWS: tl.constexpr,
+    MASK_SAME_COLS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Query rows [r_lo, r_hi) (r_lo a multiple of BLOCK_M) of rows < Lq: causal diagonal
+    blocks [lo, mid) with the causal mask, then the blocks from mid on without it."""
+    for stage in tl.static_range(2):
+        if IS_CAUSAL or stage == 1:
+            s_lo = tl.maximum(lo, r_lo) if stage == 0 else tl.maximum(mid, r_lo)
+            s_hi = tl.minimum(tl.minimum(mid, Lq), r_hi) if stage == 0 else tl.minimum(Lq, r_hi)
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+                s_lo, s_hi, Lq, Lk, causal_offset, qk_scale, mask_min,
+                D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, stage == 0,
+                MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
+            )  # fmt: skip
     return dk, dv
 
 
@@ -121,6 +211,10 @@ def attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV_OUT,
+    MASK,
+    Q_RANGES,
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -145,7 +239,18 @@ def attn_bwd_dkdv_kernel(
     stride_dvh,
     stride_dvn,
     stride_dvd,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_rb,
+    stride_rh,
+    stride_rg,
+    stride_lb,
+    stride_lh,
     scale,
+    mask_min,
+    causal_offset,
     H,
     H_KV,
     GROUP,
@@ -158,6 +263,11 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SAME_ROWS: tl.constexpr,
+    MASK_SAME_COLS: tl.constexpr,
+    MASK_SPLIT: tl.constexpr,
+    VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """dk, dv for one [BLOCK_N] key block of one kv head. Grid: (cdiv(Lk, BLOCK_N), B * H_KV)."""
@@ -165,46 +275,115 @@ def attn_bwd_dkdv_kernel(
     pid_bhk = tl.program_id(1)
     off_b = (pid_bhk // H_KV).to(tl.int64)
     off_hk = (pid_bhk % H_KV).to(tl.int64)
+    q_start, Lq, k_start, Lk = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, off_b, Lq, Lk, VARLEN)
+    if start_n >= Lk:
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
 
-    k = load_tile(K + off_b * stride_kb + off_hk * stride_kh, offs_n, offs_d, stride_kn,
-                  stride_kd, Lk, D, True, D != HEAD_DIM)  # fmt: skip
-    v = load_tile(V + off_b * stride_vb + off_hk * stride_vh, offs_n, offs_dv, stride_vn,
-                  stride_vd, Lk, DV, True, DV != HEAD_DIM_V)  # fmt: skip
+    k = load_tile(K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn, offs_n, offs_d,
+                  stride_kn, stride_kd, Lk, D, True, D != HEAD_DIM)  # fmt: skip
+    v = load_tile(V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn, offs_n, offs_dv,
+                  stride_vn, stride_vd, Lk, DV, True, DV != HEAD_DIM_V)  # fmt: skip
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     if IS_CAUSAL:
-        # Rows i >= start_n see this block; rows >= mid see all of it.
-        lo = (start_n // BLOCK_M) * BLOCK_M
-        mid = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
+        # Rows i >= start_n - causal_offset see this block; rows >= mid see all of it.
+        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - causal_offset, 0), BLOCK_M) * BLOCK_M
     else:
         lo = 0
         mid = 0
+    if MASK_KIND == 1:  # boolean: two launches (see fwd.py); a program is "dense" when the
+        # mask gives this key block exactly rows [lo, hi) in every head of the group
+        all_dense = start_n >= 0
+        for g in range(GROUP):
+            r_lo, r_hi, dense = mask_range(Q_RANGES, stride_rb, stride_rh, stride_rg, off_b,
+                                           off_hk * GROUP + g, start_n, Lk, BLOCK_N)  # fmt: skip
+            all_dense = all_dense & dense & (r_lo % BLOCK_M == 0)
+        if MASK_SPLIT == 1:
+            if all_dense == 0:
+                return
+        else:
+            if all_dense != 0:
+                return
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
-        row_base = (off_b * H + off_h) * Lq
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
-        for stage in tl.static_range(2):
-            if IS_CAUSAL or stage == 1:
-                s_lo = lo if stage == 0 else mid
-                s_hi = tl.minimum(mid, Lq) if stage == 0 else Lq
-                dk, dv = _attn_bwd_dkdv_inner(
-                    dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base,
-                    stride_qm, stride_qd, stride_dom, stride_dod, s_lo, s_hi, Lq, qk_scale,
-                    D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, stage == 0, DOT_PRECISION,
+        row_base = off_b * stride_lb + off_h * stride_lh + q_start
+        q_base = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+        do_base = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
+        mask_base = MASK + off_b * stride_mb + off_h * stride_mh
+        if MASK_KIND == 1:
+            r_lo, r_hi, dense = mask_range(Q_RANGES, stride_rb, stride_rh, stride_rg, off_b,
+                                           off_h, start_n, Lk, BLOCK_N)  # fmt: skip
+            if MASK_SPLIT == 1:  # rows >= r_hi just read as absent
+                dk, dv = _attn_bwd_dkdv_stages(
+                    dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
+                    stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+                    lo, mid, r_lo, r_hi, r_hi, Lk, causal_offset, qk_scale, mask_min,
+                    D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL, 0, False, False,
+                    DOT_PRECISION,
                 )  # fmt: skip
+            else:
+                dk, dv = _attn_bwd_dkdv_stages(
+                    dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
+                    stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+                    lo, mid, (r_lo // BLOCK_M) * BLOCK_M, r_hi, Lq, Lk, causal_offset,
+                    qk_scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL,
+                    MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
+                )  # fmt: skip
+        elif MASK_KIND == 2:  # additive: skip the query blocks it hides this block from
+            r_lo, r_hi, _ = mask_range(Q_RANGES, stride_rb, stride_rh, stride_rg, off_b,
+                                       off_h, start_n, Lk, BLOCK_N)  # fmt: skip
+            dk, dv = _attn_bwd_dkdv_stages(
+                dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+                lo, mid, (r_lo // BLOCK_M) * BLOCK_M, r_hi, Lq, Lk, causal_offset,
+                qk_scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL,
+                MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            dk, dv = _attn_bwd_dkdv_stages(
+                dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+                lo, mid, 0, Lq, Lq, Lk, causal_offset, qk_scale, mask_min,
+                D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL, 0, False, False, DOT_PRECISION,
+            )  # fmt: skip
 
-    dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh
-    dv_base = DV_OUT + off_b * stride_dvb + off_hk * stride_dvh
+    dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn
+    dv_base = DV_OUT + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn
     store_tile(dk_base, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_d, stride_dkn,
                stride_dkd, Lk, D)  # fmt: skip
     store_tile(dv_base, dv.to(DV_OUT.dtype.element_ty), offs_n, offs_dv, stride_dvn,
                stride_dvd, Lk, DV)  # fmt: skip
+
+
+@triton.jit
+def _add_mask_grad(
+    dmask_base,
+    ds,
+    offs_m,
+    offs_n,
+    stride_gm,
+    stride_gn,
+    Lq,
+    Lk,
+    SAME_ROWS: tl.constexpr,
+    SAME_COLS: tl.constexpr,
+):
+    """dmask += ds over this tile; rows/columns the mask broadcasts are summed first."""
+    in_m = offs_m < Lq
+    in_n = offs_n < Lk
+    if SAME_ROWS:
+        tl.atomic_add(dmask_base + offs_n * stride_gn, tl.sum(ds, 0), mask=in_n)
+    elif SAME_COLS:
+        tl.atomic_add(dmask_base + offs_m * stride_gm, tl.sum(ds, 1), mask=in_m)
+    else:
+        ptrs = dmask_base + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn
+        tl.atomic_add(ptrs, ds, mask=in_m[:, None] & in_n[None, :])
 
 
 @triton.jit
@@ -217,14 +396,23 @@ def _attn_bwd_dq_inner(
     offs_m,
     k_base,
     v_base,
+    mask_base,
+    dmask_base,
     stride_kn,
     stride_kd,
     stride_vn,
     stride_vd,
+    stride_mm,
+    stride_mn,
+    stride_gm,
+    stride_gn,
     lo,
     hi,
+    Lq,
     Lk,
+    causal_offset,
     qk_scale,
+    mask_min,
     D: tl.constexpr,
     DV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -232,6 +420,10 @@ def _attn_bwd_dq_inner(
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SAME_ROWS: tl.constexpr,
+    MASK_SAME_COLS: tl.constexpr,
+    MASK_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
@@ -242,11 +434,75 @@ def _attn_bwd_dq_inner(
         v = load_tile(v_base, offs_n, offs_dv, stride_vn, stride_vd, Lk, DV, MASK, DV != HEAD_DIM_V)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASK:
-            qk = tl.where(score_mask(offs_m, offs_n, Lk, IS_CAUSAL), qk, float("-inf"))
+            keep = score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL)
+            qk = tl.where(keep, qk, float("-inf"))
+        if MASK_KIND != 0:
+            vals = load_mask(mask_base, offs_m, offs_n, stride_mm, stride_mn, Lq, Lk,
+                             MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
+            qk = apply_mask(qk, vals, mask_min, MASK_KIND)
         p = tl.math.exp2(qk - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if MASK_GRAD:  # d loss / d (additive mask) = dS
+            _add_mask_grad(dmask_base, ds, offs_m, offs_n, stride_gm, stride_gn, Lq, Lk,
+                           MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_stages(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    offs_m,
+    k_base,
+    v_base,
+    mask_base,
+    dmask_base,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    stride_mm,
+    stride_mn,
+    stride_gm,
+    stride_gn,
+    start_m,
+    lo,
+    hi,
+    Lk,
+    Lq,
+    causal_offset,
+    qk_scale,
+    mask_min,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SAME_ROWS: tl.constexpr,
+    MASK_SAME_COLS: tl.constexpr,
+    MASK_GRAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Key blocks [lo, hi) (lo a multiple of BLOCK_N) of keys < Lk, unmasked ones first."""
+    full_end, end = key_range(start_m, Lk, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    for stage in tl.static_range(2):
+        s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
+        s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
+            s_lo, s_hi, Lq, Lk, causal_offset, qk_scale, mask_min,
+            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
+            MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
+        )  # fmt: skip
     return dq
 
 
@@ -259,6 +515,11 @@ def attn_bwd_dq_kernel(
     LSE,
     DELTA,
     DQ,
+    MASK,
+    DMASK,
+    KV_RANGES,
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -279,7 +540,22 @@ def attn_bwd_dq_kernel(
     stride_dqh,
     stride_dqm,
     stride_dqd,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_gb,
+    stride_gh,
+    stride_gm,
+    stride_gn,
+    stride_rb,
+    stride_rh,
+    stride_rg,
+    stride_lb,
+    stride_lh,
     scale,
+    mask_min,
+    causal_offset,
     H,
     GROUP,
     Lq,
@@ -291,37 +567,87 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SAME_ROWS: tl.constexpr,
+    MASK_SAME_COLS: tl.constexpr,
+    MASK_GRAD: tl.constexpr,
+    MASK_SPLIT: tl.constexpr,
+    VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dq for one [BLOCK_M] query block. Grid: (cdiv(Lq, BLOCK_M), B * H)."""
+    """dq (and the additive mask's gradient) for one [BLOCK_M] query block.
+
+    Grid: (cdiv(Lq, BLOCK_M), B * H). DMASK: float32, zeroed, broadcast like MASK (stride_g*).
+    """
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
     off_hk = off_h // GROUP
+    q_start, Lq, k_start, Lk = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, off_b, Lq, Lk, VARLEN)
+    if start_m >= Lq:
+        return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
 
-    q = load_tile(Q + off_b * stride_qb + off_h * stride_qh, offs_m, offs_d, stride_qm,
-                  stride_qd, Lq, D, True, D != HEAD_DIM)  # fmt: skip
-    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, offs_dv, stride_dom,
-                   stride_dod, Lq, DV, True, DV != HEAD_DIM_V)  # fmt: skip
-    lse, delta = _load_row_stats(LSE, DELTA, pid_bh.to(tl.int64) * Lq, offs_m, Lq)
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    q = load_tile(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm, offs_m, offs_d,
+                  stride_qm, stride_qd, Lq, D, True, D != HEAD_DIM)  # fmt: skip
+    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom, offs_m,
+                   offs_dv, stride_dom, stride_dod, Lq, DV, True, DV != HEAD_DIM_V)  # fmt: skip
+    row_base = off_b * stride_lb + off_h * stride_lh + q_start
+    lse, delta = _load_row_stats(LSE, DELTA, row_base, offs_m, Lq)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+    v_base = V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
+    mask_base = MASK + off_b * stride_mb + off_h * stride_mh
+    dmask_base = DMASK + off_b * stride_gb + off_h * stride_gh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
-    full_end, end = key_range(start_m, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    for stage in tl.static_range(2):
-        lo = 0 if stage == 0 else full_end
-        hi = full_end if stage == 0 else end
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, offs_m, k_base, v_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, lo, hi, Lk, qk_scale,
-            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL, DOT_PRECISION,
+    if MASK_KIND == 1:  # boolean: two launches, one for each kind of block (see fwd.py)
+        lo, hi, dense = mask_range(KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h,
+                                   start_m, Lq, BLOCK_M)  # fmt: skip
+        dense = dense & (lo % BLOCK_N == 0)
+        if MASK_SPLIT == 1:
+            if dense == 0:
+                return
+            dq = _attn_bwd_dq_stages(
+                dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                stride_gm, stride_gn, start_m, lo, hi, hi, Lq, causal_offset, qk_scale,
+                mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, 0, False,
+                False, False, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            if dense != 0:
+                return
+            dq = _attn_bwd_dq_stages(
+                dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                stride_gm, stride_gn, start_m, (lo // BLOCK_N) * BLOCK_N, hi, Lk, Lq,
+                causal_offset, qk_scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                BLOCK_N, IS_CAUSAL, MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD,
+                DOT_PRECISION,
+            )  # fmt: skip
+    elif MASK_KIND == 2:
+        lo, hi, _ = mask_range(KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h,
+                               start_m, Lq, BLOCK_M)  # fmt: skip
+        dq = _attn_bwd_dq_stages(
+            dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
+            start_m, (lo // BLOCK_N) * BLOCK_N, hi, Lk, Lq, causal_offset, qk_scale,
+            mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND,
+            MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        dq = _attn_bwd_dq_stages(
+            dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
+            start_m, 0, Lk, Lk, Lq, causal_offset, qk_scale, mask_min,
+            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, 0, False, False,
+            False, DOT_PRECISION,
         )  # fmt: skip
 
-    store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh, (dq * scale).to(DQ.dtype.element_ty),
-               offs_m, offs_d, stride_dqm, stride_dqd, Lq, D)  # fmt: skip
+    store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm,
+               (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_d, stride_dqm, stride_dqd, Lq,
+               D)  # fmt: skip

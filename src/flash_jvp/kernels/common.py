@@ -5,6 +5,9 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln 2: scores are kept in base 2 for exp2
 LN2 = tl.constexpr(0.6931471805599453)
+# Rows (or keys) per entry of the tile-range tables built from an attn_mask (see _ops.py);
+# every BLOCK_M / BLOCK_N is a multiple of it.
+MASK_GROUP = tl.constexpr(16)
 
 
 @triton.jit
@@ -46,15 +49,39 @@ def store_tile(base, value, offs_r, offs_c, stride_r, stride_c, n_rows, N_COLS: 
 
 
 @triton.jit
-def key_range(start_m, Lk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+def seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, off_b, Lq, Lk, VARLEN: tl.constexpr):
+    """(first query row, query length, first key, key length) of batch entry off_b.
+
+    Packed batches (VARLEN) read them from the cumulative lengths; dense ones start at 0.
+    """
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_b)
+        q_len = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + off_b)
+        k_len = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
+        return q_start.to(tl.int64), q_len, k_start.to(tl.int64), k_len
+    else:
+        return 0, Lq, 0, Lk
+
+
+@triton.jit
+def key_range(
+    start_m,
+    Lk,
+    causal_offset,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+):
     """Key blocks one query block visits: [0, full_end) need no mask, [full_end, end) do.
 
-    Causal is SDPA's top-left alignment: query row i sees keys j <= i, so every row of the
-    block sees keys < start_m + 1 and none sees keys >= start_m + BLOCK_M.
+    Causal: query row i sees keys j <= i + causal_offset (0: SDPA's top-left alignment;
+    Lk - Lq: bottom-right), so every row of the block sees keys <= start_m + causal_offset
+    and none sees keys >= start_m + BLOCK_M + causal_offset.
     """
     if IS_CAUSAL:
-        end = tl.minimum(Lk, start_m + BLOCK_M)
-        full = tl.minimum(Lk, start_m + 1)
+        end = tl.maximum(tl.minimum(Lk, start_m + BLOCK_M + causal_offset), 0)
+        full = tl.maximum(tl.minimum(Lk, start_m + 1 + causal_offset), 0)
     else:
         end = Lk
         full = Lk
@@ -63,9 +90,75 @@ def key_range(start_m, Lk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUS
 
 
 @triton.jit
-def score_mask(offs_m, offs_n, Lk, IS_CAUSAL: tl.constexpr):
+def score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL: tl.constexpr):
     """[BLOCK_M, BLOCK_N] True where query row offs_m may attend to key offs_n."""
     keep = offs_n[None, :] < Lk
     if IS_CAUSAL:
-        keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        keep = keep & (offs_m[:, None] + causal_offset >= offs_n[None, :])
     return keep
+
+
+@triton.jit
+def load_mask(
+    base,
+    offs_r,
+    offs_c,
+    stride_r,
+    stride_c,
+    n_rows,
+    n_cols,
+    SAME_ROWS: tl.constexpr,
+    SAME_COLS: tl.constexpr,
+):
+    """An attn_mask tile [len(offs_r), len(offs_c)] (0 outside), read through its strides.
+
+    SAME_ROWS / SAME_COLS: the stride along rows / columns is 0 (a broadcast mask, e.g. key
+    padding), so one vector is loaded and broadcast instead of a whole tile.
+    """
+    in_r = offs_r < n_rows
+    in_c = offs_c < n_cols
+    if SAME_ROWS:
+        vals = tl.load(base + offs_c * stride_c, mask=in_c, other=0)[None, :]
+        vals = tl.where(in_r[:, None], vals, 0)
+    elif SAME_COLS:
+        vals = tl.load(base + offs_r * stride_r, mask=in_r, other=0)[:, None]
+        vals = tl.where(in_c[None, :], vals, 0)
+    else:
+        ptrs = base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c
+        vals = tl.load(ptrs, mask=in_r[:, None] & in_c[None, :], other=0)
+    return vals
+
+
+@triton.jit
+def apply_mask(s, vals, mask_min, MASK_KIND: tl.constexpr):
+    """Base-2 scores s with an attn_mask tile applied.
+
+    MASK_KIND 1: boolean (nonzero = take part); 2: additive, in natural-log units. Additive
+    entries <= mask_min (finfo(dtype).min, the "masked" value of many models) or -inf mask
+    the key out exactly, so a row with every key masked gives 0.
+    """
+    if MASK_KIND == 1:
+        s = tl.where(vals != 0, s, float("-inf"))
+    else:
+        bias = vals.to(tl.float32)
+        s = tl.where(bias <= mask_min, float("-inf"), s + bias * LOG2E)
+    return s
+
+
+@triton.jit
+def mask_range(RANGES, stride_b, stride_h, stride_g, off_b, off_h, start, n, BLOCK: tl.constexpr):
+    """From the per-MASK_GROUP table of _ops.mask_ranges, for rows (or keys) [start,
+    start + BLOCK): the range [lo, hi) of keys (or rows) the attn_mask lets any of them see,
+    and ``dense``: every one of them sees exactly [lo, hi) (so no mask needs loading)."""
+    offs_g = start // MASK_GROUP + tl.arange(0, BLOCK // MASK_GROUP)
+    ptrs = RANGES + off_b * stride_b + off_h * stride_h + offs_g * stride_g
+    valid = offs_g * MASK_GROUP < n
+    g_lo = tl.load(ptrs, mask=valid, other=2147483647)
+    g_hi = tl.load(ptrs + 1, mask=valid, other=0)
+    g_dense = tl.load(ptrs + 2, mask=valid, other=1)
+    lo = tl.min(g_lo, 0)
+    hi = tl.max(g_hi, 0)
+    same = (tl.max(tl.where(valid, g_lo, 0), 0) == lo) & (
+        tl.min(tl.where(valid, g_hi, 2147483647), 0) == hi
+    )
+    return lo, hi, same & (tl.min(g_dense, 0) == 1)

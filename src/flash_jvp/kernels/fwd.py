@@ -19,13 +19,28 @@ Primal scores live in base 2 (scale * log2 e, so exp2 can be used); tangent scor
 plain scale. Only the primal running max is kept: the tangent terms are linear in P.
 Missing tangents are compile-time switches, so a primal-only call pays nothing for them.
 
-Rows whose every key is masked out get o = o_t = 0 and lse = -inf.
+An attn_mask (boolean or additive, read through its strides) is applied to the scores; an
+additive mask's tangent adds to S_t. Key blocks outside the range the mask leaves visible
+(see _ops.mask_ranges) are skipped. Rows whose every key is masked out get o = o_t = 0 and
+lse = -inf. Packed variable-length batches (VARLEN) read each sequence's bounds from the
+cumulative lengths; the grid then runs over the longest sequence.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, key_range, load_tile, score_mask, store_tile
+from .common import (
+    LN2,
+    LOG2E,
+    apply_mask,
+    key_range,
+    load_mask,
+    load_tile,
+    mask_range,
+    score_mask,
+    seq_bounds,
+    store_tile,
+)
 
 
 @triton.jit
@@ -43,6 +58,8 @@ def _attn_fwd_inner(
     v_base,
     k_t_base,
     v_t_base,
+    mask_base,
+    mask_t_base,
     stride_kn,
     stride_kd,
     stride_vn,
@@ -51,11 +68,18 @@ def _attn_fwd_inner(
     stride_ktd,
     stride_vtn,
     stride_vtd,
+    stride_mm,
+    stride_mn,
+    stride_mtm,
+    stride_mtn,
     lo,
     hi,
+    Lq,
     Lk,
+    causal_offset,
     qk_scale,
     scale,
+    mask_min,
     D: tl.constexpr,
     DV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -63,9 +87,13 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SAME_ROWS: tl.constexpr,
+    MASK_SAME_COLS: tl.constexpr,
     HAS_Q_T: tl.constexpr,
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
+    HAS_MASK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
@@ -75,7 +103,12 @@ def _attn_fwd_inner(
         k = load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, Lk, D, MASK, D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASK:
-            qk = tl.where(score_mask(offs_m, offs_n, Lk, IS_CAUSAL), qk, float("-inf"))
+            keep = score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL)
+            qk = tl.where(keep, qk, float("-inf"))
+        if MASK_KIND != 0:
+            vals = load_mask(mask_base, offs_m, offs_n, stride_mm, stride_mn, Lq, Lk,
+                             MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
+            qk = apply_mask(qk, vals, mask_min, MASK_KIND)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row with no visible key so far keeps m = -inf; use 0 so exp2 gives 0, not NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -84,9 +117,9 @@ def _attn_fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_base, offs_n, offs_dv, stride_vn, stride_vd, Lk, DV, MASK, DV != HEAD_DIM_V)
         acc = acc * alpha[:, None]
-        if HAS_Q_T or HAS_K_T or HAS_V_T:
+        if HAS_Q_T or HAS_K_T or HAS_V_T or HAS_MASK_T:
             acc_t = acc_t * alpha[:, None]
-        if HAS_Q_T or HAS_K_T:
+        if HAS_Q_T or HAS_K_T or HAS_MASK_T:
             if HAS_Q_T:
                 s_t = tl.dot(q_t, tl.trans(k), input_precision=DOT_PRECISION)
                 if HAS_K_T:
@@ -95,12 +128,17 @@ def _attn_fwd_inner(
                         D != HEAD_DIM,
                     )  # fmt: skip
                     s_t = tl.dot(q, tl.trans(k_t), s_t, input_precision=DOT_PRECISION)
-            else:
+                s_t = s_t * scale
+            elif HAS_K_T:
                 k_t = load_tile(
                     k_t_base, offs_n, offs_d, stride_ktn, stride_ktd, Lk, D, MASK, D != HEAD_DIM
                 )
-                s_t = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION)
-            s_t = s_t * scale
+                s_t = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION) * scale
+            else:
+                s_t = tl.zeros_like(qk)
+            if HAS_MASK_T:  # the additive mask's own tangent
+                s_t += load_mask(mask_t_base, offs_m, offs_n, stride_mtm, stride_mtn, Lq, Lk,
+                                 False, False).to(tl.float32)  # fmt: skip
             g_i = g_i * alpha + tl.sum(p * s_t, 1)  # masked keys have p = 0: they add nothing
             # Centre on the running mean mu = g / l, re-centring what is already summed, so
             # the products stay small when softmax is peaked (no cancellation at the end).
@@ -120,6 +158,80 @@ def _attn_fwd_inner(
 
 
 @triton.jit
+def _attn_fwd_stages(
+    acc,
+    acc_t,
+    m_i,
+    l_i,
+    g_i,
+    mu_i,
+    q,
+    q_t,
+    offs_m,
+    k_base,
+    v_base,
+    k_t_base,
+    v_t_base,
+    mask_base,
+    mask_t_base,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    stride_ktn,
+    stride_ktd,
+    stride_vtn,
+    stride_vtd,
+    stride_mm,
+    stride_mn,
+    stride_mtm,
+    stride_mtn,
+    start_m,
+    lo,
+    hi,
+    Lk,
+    Lq,
+    causal_offset,
+    qk_scale,
+    scale,
+    mask_min,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SAME_ROWS: tl.constexpr,
+    MASK_SAME_COLS: tl.constexpr,
+    HAS_Q_T: tl.constexpr,
+    HAS_K_T: tl.constexpr,
+    HAS_V_T: tl.constexpr,
+    HAS_MASK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Key blocks [lo, hi) (lo a multiple of BLOCK_N) of keys < Lk, in two stages: blocks no
+    row masks (unmasked loads, no where), then the rest."""
+    full_end, end = key_range(start_m, Lk, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    for stage in tl.static_range(2):
+        s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
+        s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
+        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_inner(
+            acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
+            k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_ktn, stride_ktd, stride_vtn, stride_vtd,
+            stride_mm, stride_mn, stride_mtm, stride_mtn,
+            s_lo, s_hi, Lq, Lk, causal_offset, qk_scale, scale, mask_min,
+            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
+            MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS,
+            HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
+        )  # fmt: skip
+    return acc, acc_t, m_i, l_i, g_i, mu_i
+
+
+@triton.jit
 def attn_fwd_kernel(
     Q,
     K,
@@ -130,6 +242,11 @@ def attn_fwd_kernel(
     K_T,
     V_T,
     O_T,
+    MASK,
+    MASK_T,
+    KV_RANGES,
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -162,7 +279,22 @@ def attn_fwd_kernel(
     stride_oth,
     stride_otm,
     stride_otd,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_mtb,
+    stride_mth,
+    stride_mtm,
+    stride_mtn,
+    stride_rb,
+    stride_rh,
+    stride_rg,
+    stride_lb,
+    stride_lh,
     scale,
+    mask_min,
+    causal_offset,
     H,
     GROUP,
     Lq,
@@ -174,39 +306,56 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SAME_ROWS: tl.constexpr,
+    MASK_SAME_COLS: tl.constexpr,
+    MASK_SPLIT: tl.constexpr,
+    VARLEN: tl.constexpr,
     HAS_Q_T: tl.constexpr,
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
+    HAS_MASK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """o = softmax(scale * q k^T) v and lse for one [BLOCK_M] query block; o_t too if tangents.
+    """o = softmax(scale * q k^T [+ mask]) v and lse for one [BLOCK_M] query block; o_t too
+    if tangents.
 
     Grid: (cdiv(Lq, BLOCK_M), B * H). q/o: (B, H, Lq, D|DV), k/v: (B, H // GROUP, Lk, D|DV),
-    tangents shaped like their primals, lse: (B, H, Lq) float32, natural log. HEAD_DIM and
-    HEAD_DIM_V are D and DV rounded up to a power of two (>= 16); padding reads as zero.
+    tangents shaped like their primals, mask and its tangent broadcast to (B, H, Lq, Lk)
+    through strides, lse: float32 natural log at LSE + b * stride_lb + h * stride_lh + row.
+    VARLEN: batch entry b is the packed sequence b (stride_*b = 0; Lq, Lk the longest).
+    MASK_SPLIT (boolean masks): the launcher runs the kernel twice; launch 1 takes the query
+    blocks whose every row sees exactly keys [lo, hi) (no mask loads: keys are bounded by hi),
+    launch 2 the others; a program not of its launch's kind exits at once.
+    HEAD_DIM and HEAD_DIM_V are D and DV rounded up to a power of two (>= 16); padding
+    reads as zero.
     """
-    TANGENT: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_V_T
+    TANGENT: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_V_T or HAS_MASK_T
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
     off_hk = off_h // GROUP
+    q_start, Lq, k_start, Lk = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, off_b, Lq, Lk, VARLEN)
+    if start_m >= Lq:  # packed batches: this sequence is shorter than the longest
+        return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
 
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    q_base = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+    k_base = K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+    v_base = V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
     q = load_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True, D != HEAD_DIM)
     q_t = q
     if HAS_Q_T:
-        q_t_base = Q_T + off_b * stride_qtb + off_h * stride_qth
+        q_t_base = Q_T + off_b * stride_qtb + off_h * stride_qth + q_start * stride_qtm
         q_t = load_tile(
             q_t_base, offs_m, offs_d, stride_qtm, stride_qtd, Lq, D, True, D != HEAD_DIM
         )
-    k_t_base = K_T + off_b * stride_ktb + off_hk * stride_kth
-    v_t_base = V_T + off_b * stride_vtb + off_hk * stride_vth
+    k_t_base = K_T + off_b * stride_ktb + off_hk * stride_kth + k_start * stride_ktn
+    v_t_base = V_T + off_b * stride_vtb + off_hk * stride_vth + k_start * stride_vtn
+    mask_base = MASK + off_b * stride_mb + off_h * stride_mh
+    mask_t_base = MASK_T + off_b * stride_mtb + off_h * stride_mth
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -216,30 +365,73 @@ def attn_fwd_kernel(
     acc_t = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
-    full_end, end = key_range(start_m, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    # Stage 0: key blocks no row masks (unmasked loads, no where); stage 1: the rest.
-    for stage in tl.static_range(2):
-        lo = 0 if stage == 0 else full_end
-        hi = full_end if stage == 0 else end
-        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_inner(
+    if MASK_KIND == 1:  # boolean: two launches, one for each kind of block (see MASK_SPLIT)
+        lo, hi, dense = mask_range(KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h,
+                                   start_m, Lq, BLOCK_M)  # fmt: skip
+        dense = dense & (lo % BLOCK_N == 0)
+        if MASK_SPLIT == 1:  # "keys [lo, hi) and no others" (key padding): no mask loads
+            if dense == 0:
+                return
+            acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
+                acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
+                k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
+                stride_kn, stride_kd, stride_vn, stride_vd,
+                stride_ktn, stride_ktd, stride_vtn, stride_vtd,
+                stride_mm, stride_mn, stride_mtm, stride_mtn,
+                start_m, lo, hi, hi, Lq, causal_offset, qk_scale, scale, mask_min,
+                D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, 0, False, False,
+                HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            if dense != 0:
+                return
+            acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
+                acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
+                k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
+                stride_kn, stride_kd, stride_vn, stride_vd,
+                stride_ktn, stride_ktd, stride_vtn, stride_vtd,
+                stride_mm, stride_mn, stride_mtm, stride_mtn,
+                start_m, (lo // BLOCK_N) * BLOCK_N, hi, Lk, Lq, causal_offset, qk_scale, scale,
+                mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND,
+                MASK_SAME_ROWS, MASK_SAME_COLS, HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T,
+                DOT_PRECISION,
+            )  # fmt: skip
+    elif MASK_KIND == 2:  # additive: values matter everywhere; skip only the hidden blocks
+        lo, hi, _ = mask_range(KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h,
+                               start_m, Lq, BLOCK_M)  # fmt: skip
+        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
             acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
-            k_base, v_base, k_t_base, v_t_base,
+            k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
             stride_kn, stride_kd, stride_vn, stride_vd,
             stride_ktn, stride_ktd, stride_vtn, stride_vtd,
-            lo, hi, Lk, qk_scale, scale,
-            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
-            HAS_Q_T, HAS_K_T, HAS_V_T, DOT_PRECISION,
+            stride_mm, stride_mn, stride_mtm, stride_mtn,
+            start_m, (lo // BLOCK_N) * BLOCK_N, hi, Lk, Lq, causal_offset, qk_scale, scale,
+            mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND,
+            MASK_SAME_ROWS, MASK_SAME_COLS, HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
+            acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
+            k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_ktn, stride_ktd, stride_vtn, stride_vtd,
+            stride_mm, stride_mn, stride_mtm, stride_mtn,
+            start_m, 0, Lk, Lk, Lq, causal_offset, qk_scale, scale, mask_min,
+            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, 0, False, False,
+            HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
         )  # fmt: skip
 
+    offs_dv = tl.arange(0, HEAD_DIM_V)
     inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # fully masked rows: o = 0
     o = acc * inv_l[:, None]
-    o_base = O + off_b * stride_ob + off_h * stride_oh
+    o_base = O + off_b * stride_ob + off_h * stride_oh + q_start * stride_om
     store_tile(o_base, o.to(O.dtype.element_ty), offs_m, offs_dv, stride_om, stride_od, Lq, DV)
     lse = (m_i + tl.math.log2(l_i)) * LN2
-    tl.store(LSE + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+    lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + q_start + offs_m
+    tl.store(lse_ptrs, lse, mask=offs_m < Lq)
     if TANGENT:
         o_t = acc_t * inv_l[:, None]
-        o_t_base = O_T + off_b * stride_otb + off_h * stride_oth
+        o_t_base = O_T + off_b * stride_otb + off_h * stride_oth + q_start * stride_otm
         store_tile(
             o_t_base, o_t.to(O_T.dtype.element_ty), offs_m, offs_dv, stride_otm, stride_otd, Lq, DV
         )
