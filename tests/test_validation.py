@@ -25,7 +25,14 @@ def t(*shape, dtype=torch.float32, device=DEVICE):
     return randn(*shape, dtype=dtype, device=device)
 
 
+def _nested():
+    seqs = [t(2, n, 16).transpose(0, 1) for n in (3, 5)]  # (L, H, E) each
+    nt = torch.nested.nested_tensor(seqs, layout=torch.jagged).transpose(1, 2)  # (B, H, j, E)
+    return nt, nt, nt
+
+
 BAD = [
+    ("nested", _nested, {}, TypeError, r"does not take nested \(jagged\) tensors \(query\)"),
     ("not-a-tensor", lambda: ([[1.0]], t(1, 2, 8, 16), t(1, 2, 8, 16)), {}, TypeError,
      "Expected query to be a torch.Tensor"),
     ("2d", lambda: (t(8, 16), t(8, 16), t(8, 16)), {}, ValueError,

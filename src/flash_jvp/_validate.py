@@ -30,6 +30,15 @@ def _tensor_problems(query, key, value) -> list[Problem]:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             out.append((TypeError, f"Expected {name} to be a torch.Tensor, but got {type(t)}."))
+        elif t.is_nested:
+            out.append(
+                (
+                    TypeError,
+                    f"flash_jvp.attention does not take nested (jagged) tensors ({name}); for "
+                    "sequences of different lengths use flash_jvp.varlen_attention with "
+                    "nt.values() and nt.offsets().int() as cu_seqlens.",
+                )
+            )
         elif t.dim() < 3:
             out.append(
                 (
