@@ -779,3 +779,29 @@ def test_bert_encoder_end_to_end(mask_kind):
         assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.3e}"
     padded = ours["grad"][~real]
     assert torch.equal(padded, torch.zeros_like(padded)), "padded tokens got a gradient"
+
+
+def test_expanded_leaf_mask_gets_one_gradient_entry_per_element():
+    """A stride-0 (expanded) leaf mask of size > 1 gets per-element gradients (autograd rule)."""
+    q, k, v, _, do = qkv(1, 2, 2, 20, 24, 16)
+    grads = {}
+    for name, dtype, fn in (("ours", torch.float32, flash_jvp.attention),
+                            ("ref", torch.float64, reference.math_sdpa)):  # fmt: skip
+        base = torch.linspace(-2, 2, 24, dtype=dtype, device=DEVICE)
+        m = base.expand(20, 24).requires_grad_()  # rows share storage
+        (fn(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=m) * do.to(dtype)).sum().backward()
+        grads[name] = m.grad
+    assert_close_rel("dmask", grads["ours"], grads["ref"], 1e-5)
+
+
+def test_nan_mask_entries_reach_the_output_and_sparse_masks_are_refused():
+    """NaN in an additive mask gives NaN like SDPA (never a silently skipped block); a sparse
+    mask is a TypeError naming attn_mask."""
+    q, k, v, _, _ = qkv(1, 1, 1, 40, 40, 16)
+    mask = torch.zeros(40, 40, device=DEVICE)
+    mask[:32] = float("nan")  # a whole 32-row block of NaN
+    o = flash_jvp.attention(q, k, v, attn_mask=mask)
+    assert torch.isnan(o[..., :32, :]).all() and torch.isfinite(o[..., 32:, :]).all()
+    sparse = torch.ones(40, 40, device=DEVICE).to_sparse()
+    with pytest.raises(TypeError, match="dense .strided. attn_mask"):
+        flash_jvp.attention(q, k, v, attn_mask=sparse)

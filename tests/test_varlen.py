@@ -331,3 +331,15 @@ def test_varlen_bad_input_is_a_clear_error(name, make, exc, match, monkeypatch):
     args = make()
     with pytest.raises(exc, match=match):
         flash_jvp.varlen_attention(**args)
+
+
+def test_varlen_strided_cu_seqlens_and_huge_max_seqlen():
+    """A strided cu_seqlens view reads as its values; a huge max_seqlen is capped at the totals."""
+    q, k, v, tangents, do, cu_q, cu_k = _packed([5, 7, 8], [6, 1, 9], 2, 2, 32)
+    strided_q = torch.stack([cu_q, torch.full_like(cu_q, 10**6)], 1)[:, 0]
+    strided_k = torch.stack([cu_k, torch.full_like(cu_k, -7)], 1)[:, 0]
+    assert not strided_q.is_contiguous()
+    ours = check_varlen(q, k, v, tangents, do, strided_q, strided_k, max_q=2**40, max_k=2**40)
+    plain = check_varlen(q, k, v, tangents, do, cu_q, cu_k)
+    for name, x in plain.as_dict().items():
+        assert torch.equal(x, getattr(ours, name)), name

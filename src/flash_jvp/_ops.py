@@ -94,8 +94,10 @@ def _lse_strides(lse: Tensor, spec: Spec) -> dict[str, int]:
 
 
 def _seqlens(spec: Spec, like: Tensor) -> dict[str, Tensor]:
-    cu_q = spec.cu_seqlens_q if spec.varlen else like
-    cu_k = spec.cu_seqlens_k if spec.varlen else like
+    """CU_SEQLENS_Q/K arguments (any valid pointer when dense); the kernels read them with
+    stride 1. (Copied here, inside autograd.Function.forward, where torch.func does not wrap.)"""
+    cu_q = spec.cu_seqlens_q.contiguous() if spec.varlen else like
+    cu_k = spec.cu_seqlens_k.contiguous() if spec.varlen else like
     return {"CU_SEQLENS_Q": cu_q, "CU_SEQLENS_K": cu_k}
 
 
@@ -113,7 +115,18 @@ def _mask_splits(mask: Tensor | None) -> tuple[int, ...]:
 
 
 def _keep(mask: Tensor, mask_min: float) -> Tensor:
-    return mask if mask.dtype == torch.bool else mask > mask_min
+    """Entries that take part; NaN counts as taking part, so it reaches the output as in SDPA."""
+    if mask.dtype == torch.bool:
+        return mask
+    return ~(mask <= mask_min)
+
+
+def _unexpanded(mask: Tensor) -> Tensor:
+    """The mask with every stride-0 dim cut to size 1 (same values, no broadcast copies)."""
+    for d in range(mask.dim()):
+        if mask.stride(d) == 0 and mask.shape[d] > 1:
+            mask = mask.narrow(d, 0, 1)
+    return mask
 
 
 def mask_ranges(keep: Tensor, other_len: int) -> Tensor:
@@ -149,15 +162,29 @@ def mask_ranges(keep: Tensor, other_len: int) -> Tensor:
     return torch.stack((lo, hi, dense.to(lo.dtype)), dim=-1).to(torch.int32)
 
 
-def _mask_args(mask: Tensor | None, lay: _Layout, mask_min: float, by_keys: bool) -> dict:
+def _mask_args(
+    mask: Tensor | None, lay: _Layout, mask_min: float, by_keys: bool, grad: bool = False
+) -> dict:
     """Kernel arguments for an attn_mask (own 4-D shape, broadcast to (B, H, Lq, Lk) here
     through strides, never copied), and its tile-range table (per query group, or per key
-    group with ``by_keys``)."""
+    group with ``by_keys``). With ``grad`` (its gradient is accumulated along), rows/columns
+    count as shared only where the mask's own size is 1: an expanded (stride-0) mask of size
+    > 1 still gets one gradient entry per element, as autograd defines it."""
     if mask is None:
         return dict(MASK_KIND=0, MASK_SAME_ROWS=False, MASK_SAME_COLS=False,
                     **_strides(None, "m"), **_strides(None, "r"))  # fmt: skip
     full = mask.expand(lay.B, lay.H, lay.Lq, lay.Lk)
-    keep = _keep(mask, mask_min)
+    span = (lay.Lq - 1) * abs(full.stride(2)) + (lay.Lk - 1) * abs(full.stride(3))
+    if span >= 2**31:
+        raise NotImplementedError(
+            f"flash_jvp: an attn_mask spanning {span} elements within one (batch, head) is not "
+            "supported (the kernels index masks with 32-bit offsets); got attn_mask of shape "
+            f"{tuple(mask.shape)} and strides {mask.stride()}."
+        )
+    same_rows, same_cols = full.stride(2) == 0, full.stride(3) == 0
+    if grad:
+        same_rows, same_cols = same_rows and mask.shape[2] == 1, same_cols and mask.shape[3] == 1
+    keep = _keep(_unexpanded(mask), mask_min)
     if by_keys:
         ranges = mask_ranges(keep.transpose(-1, -2), lay.Lq)
         groups = triton.cdiv(lay.Lk, MASK_GROUP)
@@ -167,8 +194,8 @@ def _mask_args(mask: Tensor | None, lay: _Layout, mask_min: float, by_keys: bool
     ranges = ranges.expand(lay.B, lay.H, groups, 3)
     return dict(
         MASK=full.view(torch.uint8) if mask.dtype == torch.bool else full,
-        MASK_KIND=mask_kind(mask), MASK_SAME_ROWS=full.stride(2) == 0,
-        MASK_SAME_COLS=full.stride(3) == 0, **_strides(full, "m"),
+        MASK_KIND=mask_kind(mask), MASK_SAME_ROWS=same_rows, MASK_SAME_COLS=same_cols,
+        **_strides(full, "m"),
         **{("Q_RANGES" if by_keys else "KV_RANGES"): ranges}, **_strides(ranges, "r"),
     )  # fmt: skip
 
@@ -333,7 +360,7 @@ def attn_bwd(
             DK=dk4, DV_OUT=dv4, **_strides(dk4, "dk"), **_strides(dv4, "dv"), H_KV=lay.H_KV,
             MASK_SPLIT=split, **dkdv_mask, **common,
         )  # fmt: skip
-    dq_mask = _mask_args(mask, lay, mask_min, by_keys=False)
+    dq_mask = _mask_args(mask, lay, mask_min, by_keys=False, grad=mask_grad)
     dq_mask.setdefault("MASK", q4)
     dq_mask.setdefault("KV_RANGES", lse)
     dmask_full = None if dmask is None else dmask.expand(lay.B, lay.H, lay.Lq, lay.Lk)

@@ -167,6 +167,14 @@ def _mask_problems(q, k, attn_mask, is_causal) -> list[Problem]:
     if not isinstance(attn_mask, torch.Tensor):
         got = type(attn_mask)
         return [(TypeError, f"Expected attn_mask to be None or a Tensor, but got {got}.")]
+    if attn_mask.layout != torch.strided or attn_mask.is_nested:
+        return [
+            (
+                TypeError,
+                f"Expected a dense (strided) attn_mask, but got layout {attn_mask.layout}"
+                f"{' (nested)' if attn_mask.is_nested else ''}; pass attn_mask.to_dense().",
+            )
+        ]
     out: list[Problem] = []
     if is_causal:
         out.append(

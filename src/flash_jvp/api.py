@@ -86,7 +86,8 @@ def scaled_dot_product_attention(
         * both in one step (primals that require grad, a JVP, a loss on ``o`` and
           ``o_t.detach()``): supported. Backpropagating through an undetached tangent raises
           ``NotImplementedError``; so does double backward.
-        * ``torch.func`` ``grad``, ``vjp``, ``jacrev``, ``jacfwd``, ``vmap`` compose with it.
+        * ``torch.func`` ``grad``, ``vjp``, ``jacrev``, ``jacfwd``, ``vmap`` compose with it
+          (except ``vmap``/``jacrev`` of the gradient with respect to an additive mask).
           Forward-over-reverse (``jvp`` of ``grad``) is exact but materialises the score matrix.
         * ``torch.compile``: not tested yet; compile the surrounding code with a graph break.
 
@@ -175,7 +176,7 @@ def varlen_attention(
             total of each sequence's length (lengths 0 and 1 allowed); both for ``n``
             sequences; the last entry equals ``total_q`` / ``total_k``.
         max_seqlen_q, max_seqlen_k: the longest query / key sequence (at least the true
-            maxima; they size the launch grid).
+            maxima; they size the launch grid, capped at the totals).
         is_causal: per sequence, SDPA's top-left alignment (query ``i`` attends keys
             ``j <= i`` of its own sequence); flash-attn's varlen causal is bottom-right
             when a sequence's query and key lengths differ.
@@ -195,11 +196,14 @@ def varlen_attention(
     Nested jagged tensors are not accepted: pass ``nt.values()`` and ``nt.offsets()``
     (converted to int32) instead. ``torch.func.vmap`` over this function is not supported.
     """
+    q, k, v = _autocast(q, k, v)
     kernels = _kernels(q)
     _validate.check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, kernels
     )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    # the launch grid needs no more than the totals
+    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
     if not kernels or _nested_forward_ad():
         return reference.varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale)
     from ._function import FlashAttnJVP
