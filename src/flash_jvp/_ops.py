@@ -329,15 +329,16 @@ def attn_bwd(
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (
         _view(x, spec, lay.B) for x in (q, k, v, o, do, dq, dk, dv)
     )
+    seqlens = _seqlens(spec, lse)
     attn_bwd_preprocess_kernel[(triton.cdiv(lay.Lq, configs.PREPROCESS_BLOCK_M), lay.B * lay.H)](
-        O=o4, DO=do4, DELTA=delta, CU_SEQLENS_Q=_seqlens(spec, lse)["CU_SEQLENS_Q"],
+        O=o4, DO=do4, DELTA=delta, CU_SEQLENS_Q=seqlens["CU_SEQLENS_Q"],
         **_strides(o4, "o"), **_strides(do4, "do"), **_lse_strides(lse, spec),
         H=lay.H, Lq=lay.Lq, DV=lay.DV, HEAD_DIM_V=head_dim_v,
         BLOCK_M=configs.PREPROCESS_BLOCK_M, VARLEN=spec.varlen,
     )  # fmt: skip
     mask_min = torch.finfo(q.dtype).min
     common = dict(
-        Q=q4, K=k4, V=v4, DO=do4, LSE=lse, DELTA=delta, **_seqlens(spec, lse),
+        Q=q4, K=k4, V=v4, DO=do4, LSE=lse, DELTA=delta, **seqlens,
         **_strides(q4, "q"), **_strides(k4, "k"), **_strides(v4, "v"), **_strides(do4, "do"),
         **_lse_strides(lse, spec), scale=spec.scale, mask_min=mask_min,
         causal_offset=spec.causal_offset or 0, H=lay.H, GROUP=lay.H // lay.H_KV,

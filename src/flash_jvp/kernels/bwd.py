@@ -22,6 +22,7 @@ import triton.language as tl
 from .common import (
     LOG2E,
     apply_mask,
+    block_range,
     key_range,
     load_mask,
     load_tile,
@@ -271,6 +272,7 @@ def attn_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """dk, dv for one [BLOCK_N] key block of one kv head. Grid: (cdiv(Lk, BLOCK_N), B * H_KV)."""
+    LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND  # see fwd.py
     start_n = tl.program_id(0) * BLOCK_N
     pid_bhk = tl.program_id(1)
     off_b = (pid_bhk // H_KV).to(tl.int64)
@@ -316,42 +318,16 @@ def attn_bwd_dkdv_kernel(
         q_base = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
         do_base = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
         mask_base = MASK + off_b * stride_mb + off_h * stride_mh
-        if MASK_KIND == 1:
-            r_lo, r_hi, dense = mask_range(Q_RANGES, stride_rb, stride_rh, stride_rg, off_b,
-                                           off_h, start_n, Lk, BLOCK_N)  # fmt: skip
-            if MASK_SPLIT == 1:  # rows >= r_hi just read as absent
-                dk, dv = _attn_bwd_dkdv_stages(
-                    dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
-                    stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-                    lo, mid, r_lo, r_hi, r_hi, Lk, causal_offset, qk_scale, mask_min,
-                    D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL, 0, False, False,
-                    DOT_PRECISION,
-                )  # fmt: skip
-            else:
-                dk, dv = _attn_bwd_dkdv_stages(
-                    dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
-                    stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-                    lo, mid, (r_lo // BLOCK_M) * BLOCK_M, r_hi, Lq, Lk, causal_offset,
-                    qk_scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL,
-                    MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
-                )  # fmt: skip
-        elif MASK_KIND == 2:  # additive: skip the query blocks it hides this block from
-            r_lo, r_hi, _ = mask_range(Q_RANGES, stride_rb, stride_rh, stride_rg, off_b,
-                                       off_h, start_n, Lk, BLOCK_N)  # fmt: skip
-            dk, dv = _attn_bwd_dkdv_stages(
-                dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-                lo, mid, (r_lo // BLOCK_M) * BLOCK_M, r_hi, Lq, Lk, causal_offset,
-                qk_scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL,
-                MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
-            )  # fmt: skip
-        else:
-            dk, dv = _attn_bwd_dkdv_stages(
-                dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-                lo, mid, 0, Lq, Lq, Lk, causal_offset, qk_scale, mask_min,
-                D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL, 0, False, False, DOT_PRECISION,
-            )  # fmt: skip
+        r_lo, r_hi, q_bound, _ = block_range(Q_RANGES, stride_rb, stride_rh, stride_rg, off_b,
+                                             off_h, start_n, Lk, Lq, BLOCK_N, BLOCK_M, MASK_KIND,
+                                             MASK_SPLIT)  # fmt: skip
+        dk, dv = _attn_bwd_dkdv_stages(
+            dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+            lo, mid, r_lo, r_hi, q_bound, Lk, causal_offset, qk_scale, mask_min,
+            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL, LOOP_MASK_KIND,
+            MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
+        )  # fmt: skip
 
     dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn
     dv_base = DV_OUT + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn
@@ -579,6 +555,7 @@ def attn_bwd_dq_kernel(
 
     Grid: (cdiv(Lq, BLOCK_M), B * H). DMASK: float32, zeroed, broadcast like MASK (stride_g*).
     """
+    LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND  # see fwd.py
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
@@ -604,49 +581,19 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
-    if MASK_KIND == 1:  # boolean: two launches, one for each kind of block (see fwd.py)
-        lo, hi, dense = mask_range(KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h,
-                                   start_m, Lq, BLOCK_M)  # fmt: skip
-        dense = dense & (lo % BLOCK_N == 0)
-        if MASK_SPLIT == 1:
-            if dense == 0:
-                return
-            dq = _attn_bwd_dq_stages(
-                dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                stride_gm, stride_gn, start_m, lo, hi, hi, Lq, causal_offset, qk_scale,
-                mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, 0, False,
-                False, False, DOT_PRECISION,
-            )  # fmt: skip
-        else:
-            if dense != 0:
-                return
-            dq = _attn_bwd_dq_stages(
-                dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-                stride_gm, stride_gn, start_m, (lo // BLOCK_N) * BLOCK_N, hi, Lk, Lq,
-                causal_offset, qk_scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                BLOCK_N, IS_CAUSAL, MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD,
-                DOT_PRECISION,
-            )  # fmt: skip
-    elif MASK_KIND == 2:
-        lo, hi, _ = mask_range(KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h,
-                               start_m, Lq, BLOCK_M)  # fmt: skip
-        dq = _attn_bwd_dq_stages(
-            dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
-            start_m, (lo // BLOCK_N) * BLOCK_N, hi, Lk, Lq, causal_offset, qk_scale,
-            mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND,
-            MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
-        )  # fmt: skip
-    else:
-        dq = _attn_bwd_dq_stages(
-            dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
-            start_m, 0, Lk, Lk, Lq, causal_offset, qk_scale, mask_min,
-            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, 0, False, False,
-            False, DOT_PRECISION,
-        )  # fmt: skip
+    lo, hi, k_bound, run = block_range(
+        KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h, start_m, Lq, Lk,
+        BLOCK_M, BLOCK_N, MASK_KIND, MASK_SPLIT,
+    )  # fmt: skip
+    if run == 0:
+        return
+    dq = _attn_bwd_dq_stages(
+        dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
+        start_m, lo, hi, k_bound, Lq, causal_offset, qk_scale, mask_min,
+        D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, LOOP_MASK_KIND,
+        MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
+    )  # fmt: skip
 
     store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm,
                (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_d, stride_dqm, stride_dqd, Lq,

@@ -162,3 +162,38 @@ def mask_range(RANGES, stride_b, stride_h, stride_g, off_b, off_h, start, n, BLO
         tl.min(tl.where(valid, g_hi, 2147483647), 0) == hi
     )
     return lo, hi, same & (tl.min(g_dense, 0) == 1)
+
+
+@triton.jit
+def block_range(
+    RANGES,
+    stride_b,
+    stride_h,
+    stride_g,
+    off_b,
+    off_h,
+    start,
+    n,
+    n_other,
+    BLOCK: tl.constexpr,
+    BLOCK_OTHER: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    MASK_SPLIT: tl.constexpr,
+):
+    """What the program owning [start, start + BLOCK) visits along the other axis: blocks from
+    lo (a multiple of BLOCK_OTHER) to hi, entries below ``bound``; and ``run``: whether this
+    launch handles the block (boolean masks run twice, see MASK_SPLIT in fwd.py: launch 1
+    takes the blocks that see exactly [lo, hi) and bounds them by hi, launch 2 the others)."""
+    if MASK_KIND == 0:
+        lo, hi, bound, run = 0, n_other, n_other, True
+    else:
+        lo, hi, dense = mask_range(RANGES, stride_b, stride_h, stride_g, off_b, off_h, start, n,
+                                   BLOCK)  # fmt: skip
+        dense = dense & (lo % BLOCK_OTHER == 0)
+        if MASK_SPLIT == 1:
+            bound, run = hi, dense
+        else:
+            lo, bound, run = (lo // BLOCK_OTHER) * BLOCK_OTHER, n_other, dense == 0
+            if MASK_SPLIT == 0:
+                run = True
+    return lo, hi, bound, run

@@ -33,10 +33,10 @@ from .common import (
     LN2,
     LOG2E,
     apply_mask,
+    block_range,
     key_range,
     load_mask,
     load_tile,
-    mask_range,
     score_mask,
     seq_bounds,
     store_tile,
@@ -331,6 +331,8 @@ def attn_fwd_kernel(
     reads as zero.
     """
     TANGENT: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_V_T or HAS_MASK_T
+    # launch 1 of a boolean mask bounds the keys instead of reading the mask
+    LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
@@ -365,61 +367,23 @@ def attn_fwd_kernel(
     acc_t = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
-    if MASK_KIND == 1:  # boolean: two launches, one for each kind of block (see MASK_SPLIT)
-        lo, hi, dense = mask_range(KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h,
-                                   start_m, Lq, BLOCK_M)  # fmt: skip
-        dense = dense & (lo % BLOCK_N == 0)
-        if MASK_SPLIT == 1:  # "keys [lo, hi) and no others" (key padding): no mask loads
-            if dense == 0:
-                return
-            acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
-                acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
-                k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
-                stride_kn, stride_kd, stride_vn, stride_vd,
-                stride_ktn, stride_ktd, stride_vtn, stride_vtd,
-                stride_mm, stride_mn, stride_mtm, stride_mtn,
-                start_m, lo, hi, hi, Lq, causal_offset, qk_scale, scale, mask_min,
-                D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, 0, False, False,
-                HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
-            )  # fmt: skip
-        else:
-            if dense != 0:
-                return
-            acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
-                acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
-                k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
-                stride_kn, stride_kd, stride_vn, stride_vd,
-                stride_ktn, stride_ktd, stride_vtn, stride_vtd,
-                stride_mm, stride_mn, stride_mtm, stride_mtn,
-                start_m, (lo // BLOCK_N) * BLOCK_N, hi, Lk, Lq, causal_offset, qk_scale, scale,
-                mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND,
-                MASK_SAME_ROWS, MASK_SAME_COLS, HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T,
-                DOT_PRECISION,
-            )  # fmt: skip
-    elif MASK_KIND == 2:  # additive: values matter everywhere; skip only the hidden blocks
-        lo, hi, _ = mask_range(KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h,
-                               start_m, Lq, BLOCK_M)  # fmt: skip
-        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
-            acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
-            k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            stride_ktn, stride_ktd, stride_vtn, stride_vtd,
-            stride_mm, stride_mn, stride_mtm, stride_mtn,
-            start_m, (lo // BLOCK_N) * BLOCK_N, hi, Lk, Lq, causal_offset, qk_scale, scale,
-            mask_min, D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND,
-            MASK_SAME_ROWS, MASK_SAME_COLS, HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
-        )  # fmt: skip
-    else:
-        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
-            acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
-            k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            stride_ktn, stride_ktd, stride_vtn, stride_vtd,
-            stride_mm, stride_mn, stride_mtm, stride_mtn,
-            start_m, 0, Lk, Lk, Lq, causal_offset, qk_scale, scale, mask_min,
-            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, 0, False, False,
-            HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
-        )  # fmt: skip
+    # key blocks the mask leaves this block (and whether this launch owns it)
+    lo, hi, k_bound, run = block_range(
+        KV_RANGES, stride_rb, stride_rh, stride_rg, off_b, off_h, start_m, Lq, Lk,
+        BLOCK_M, BLOCK_N, MASK_KIND, MASK_SPLIT,
+    )  # fmt: skip
+    if run == 0:
+        return
+    acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
+        acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
+        k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        stride_ktn, stride_ktd, stride_vtn, stride_vtd,
+        stride_mm, stride_mn, stride_mtm, stride_mtn,
+        start_m, lo, hi, k_bound, Lq, causal_offset, qk_scale, scale, mask_min,
+        D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, LOOP_MASK_KIND,
+        MASK_SAME_ROWS, MASK_SAME_COLS, HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
+    )  # fmt: skip
 
     offs_dv = tl.arange(0, HEAD_DIM_V)
     inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # fully masked rows: o = 0
