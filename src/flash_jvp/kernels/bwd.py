@@ -148,61 +148,6 @@ def _attn_bwd_dkdv_inner(
 
 
 @triton.jit
-def _attn_bwd_dkdv_stages(
-    dk,
-    dv,
-    k,
-    v,
-    offs_n,
-    q_base,
-    do_base,
-    mask_base,
-    LSE,
-    DELTA,
-    row_base,
-    stride_qm,
-    stride_qd,
-    stride_dom,
-    stride_dod,
-    stride_mm,
-    stride_mn,
-    lo,
-    mid,
-    r_lo,
-    r_hi,
-    Lq,
-    Lk,
-    causal_offset,
-    qk_scale,
-    mask_min,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    MASK_KIND: tl.constexpr,
-    MASK_SAME_ROWS: tl.constexpr,
-    MASK_SAME_COLS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Query rows [r_lo, r_hi) (r_lo a multiple of BLOCK_M) of rows < Lq: causal diagonal
-    blocks [lo, mid) with the causal mask, then the blocks from mid on without it."""
-    for stage in tl.static_range(2):
-        if IS_CAUSAL or stage == 1:
-            s_lo = tl.maximum(lo, r_lo) if stage == 0 else tl.maximum(mid, r_lo)
-            s_hi = tl.minimum(tl.minimum(mid, Lq), r_hi) if stage == 0 else tl.minimum(Lq, r_hi)
-            dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-                s_lo, s_hi, Lq, Lk, causal_offset, qk_scale, mask_min,
-                D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, stage == 0,
-                MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
-            )  # fmt: skip
-    return dk, dv
-
-
-@triton.jit
 def attn_bwd_dkdv_kernel(
     Q,
     K,
@@ -321,13 +266,22 @@ def attn_bwd_dkdv_kernel(
         r_lo, r_hi, q_bound, _ = block_range(Q_RANGES, stride_rb, stride_rh, stride_rg, off_b,
                                              off_h, start_n, Lk, Lq, BLOCK_N, BLOCK_M, MASK_KIND,
                                              MASK_SPLIT)  # fmt: skip
-        dk, dv = _attn_bwd_dkdv_stages(
-            dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-            lo, mid, r_lo, r_hi, q_bound, Lk, causal_offset, qk_scale, mask_min,
-            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, IS_CAUSAL, LOOP_MASK_KIND,
-            MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
-        )  # fmt: skip
+        # causal diagonal blocks [lo, mid) with the causal mask, then the rest without it
+        for stage in tl.static_range(2):
+            if IS_CAUSAL or stage == 1:
+                s_lo = tl.maximum(lo, r_lo) if stage == 0 else tl.maximum(mid, r_lo)
+                s_hi = (
+                    tl.minimum(tl.minimum(mid, q_bound), r_hi)
+                    if stage == 0
+                    else tl.minimum(q_bound, r_hi)
+                )
+                dk, dv = _attn_bwd_dkdv_inner(
+                    dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
+                    stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+                    s_lo, s_hi, q_bound, Lk, causal_offset, qk_scale, mask_min,
+                    D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, stage == 0,
+                    LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
+                )  # fmt: skip
 
     dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn
     dv_base = DV_OUT + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn
@@ -423,62 +377,6 @@ def _attn_bwd_dq_inner(
             _add_mask_grad(dmask_base, ds, offs_m, offs_n, stride_gm, stride_gn, Lq, Lk,
                            MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq
-
-
-@triton.jit
-def _attn_bwd_dq_stages(
-    dq,
-    q,
-    do,
-    lse,
-    delta,
-    offs_m,
-    k_base,
-    v_base,
-    mask_base,
-    dmask_base,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    stride_mm,
-    stride_mn,
-    stride_gm,
-    stride_gn,
-    start_m,
-    lo,
-    hi,
-    Lk,
-    Lq,
-    causal_offset,
-    qk_scale,
-    mask_min,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    MASK_KIND: tl.constexpr,
-    MASK_SAME_ROWS: tl.constexpr,
-    MASK_SAME_COLS: tl.constexpr,
-    MASK_GRAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Key blocks [lo, hi) (lo a multiple of BLOCK_N) of keys < Lk, unmasked ones first."""
-    full_end, end = key_range(start_m, Lk, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    for stage in tl.static_range(2):
-        s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
-        s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
-            s_lo, s_hi, Lq, Lk, causal_offset, qk_scale, mask_min,
-            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
-            MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
-        )  # fmt: skip
     return dq
 
 
@@ -587,13 +485,17 @@ def attn_bwd_dq_kernel(
     )  # fmt: skip
     if run == 0:
         return
-    dq = _attn_bwd_dq_stages(
-        dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
-        start_m, lo, hi, k_bound, Lq, causal_offset, qk_scale, mask_min,
-        D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, LOOP_MASK_KIND,
-        MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
-    )  # fmt: skip
+    full_end, end = key_range(start_m, k_bound, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    for stage in tl.static_range(2):  # unmasked key blocks first
+        s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
+        s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
+            s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale, mask_min,
+            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
+            LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
+        )  # fmt: skip
 
     store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm,
                (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_d, stride_dqm, stride_dqd, Lq,

@@ -158,80 +158,6 @@ def _attn_fwd_inner(
 
 
 @triton.jit
-def _attn_fwd_stages(
-    acc,
-    acc_t,
-    m_i,
-    l_i,
-    g_i,
-    mu_i,
-    q,
-    q_t,
-    offs_m,
-    k_base,
-    v_base,
-    k_t_base,
-    v_t_base,
-    mask_base,
-    mask_t_base,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    stride_ktn,
-    stride_ktd,
-    stride_vtn,
-    stride_vtd,
-    stride_mm,
-    stride_mn,
-    stride_mtm,
-    stride_mtn,
-    start_m,
-    lo,
-    hi,
-    Lk,
-    Lq,
-    causal_offset,
-    qk_scale,
-    scale,
-    mask_min,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    MASK_KIND: tl.constexpr,
-    MASK_SAME_ROWS: tl.constexpr,
-    MASK_SAME_COLS: tl.constexpr,
-    HAS_Q_T: tl.constexpr,
-    HAS_K_T: tl.constexpr,
-    HAS_V_T: tl.constexpr,
-    HAS_MASK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Key blocks [lo, hi) (lo a multiple of BLOCK_N) of keys < Lk, in two stages: blocks no
-    row masks (unmasked loads, no where), then the rest."""
-    full_end, end = key_range(start_m, Lk, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    for stage in tl.static_range(2):
-        s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
-        s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
-        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_inner(
-            acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
-            k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            stride_ktn, stride_ktd, stride_vtn, stride_vtd,
-            stride_mm, stride_mn, stride_mtm, stride_mtn,
-            s_lo, s_hi, Lq, Lk, causal_offset, qk_scale, scale, mask_min,
-            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
-            MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS,
-            HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
-        )  # fmt: skip
-    return acc, acc_t, m_i, l_i, g_i, mu_i
-
-
-@triton.jit
 def attn_fwd_kernel(
     Q,
     K,
@@ -374,16 +300,22 @@ def attn_fwd_kernel(
     )  # fmt: skip
     if run == 0:
         return
-    acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_stages(
-        acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
-        k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
-        stride_kn, stride_kd, stride_vn, stride_vd,
-        stride_ktn, stride_ktd, stride_vtn, stride_vtd,
-        stride_mm, stride_mn, stride_mtm, stride_mtn,
-        start_m, lo, hi, k_bound, Lq, causal_offset, qk_scale, scale, mask_min,
-        D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, IS_CAUSAL, LOOP_MASK_KIND,
-        MASK_SAME_ROWS, MASK_SAME_COLS, HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
-    )  # fmt: skip
+    # Stage 0: key blocks no row masks (unmasked loads, no where); stage 1: the rest.
+    full_end, end = key_range(start_m, k_bound, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    for stage in tl.static_range(2):
+        s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
+        s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
+        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_inner(
+            acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
+            k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_ktn, stride_ktd, stride_vtn, stride_vtd,
+            stride_mm, stride_mn, stride_mtm, stride_mtn,
+            s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale, scale, mask_min,
+            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
+            LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS,
+            HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
+        )  # fmt: skip
 
     offs_dv = tl.arange(0, HEAD_DIM_V)
     inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # fully masked rows: o = 0
