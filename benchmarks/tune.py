@@ -1,10 +1,19 @@
 """Time candidate launch configs of each kernel on the GPU; print the best (run once, keep
-the winners in src/flash_jvp/kernels/configs.py). Usage: python benchmarks/tune.py [--out F]"""
+the winners in src/flash_jvp/kernels/configs.py).
+
+    python benchmarks/tune.py [--kinds jvp,fwd,dkdv,dq] [--cases none,pad10,causal] [--out F]
+
+Every kind is timed without a mask, with a 10 % boolean key-padding mask ("pad10") and causal,
+because one config serves all three and they stress registers differently (loop bounds read
+from the mask's range table cost registers; see scripts/compile_sm90.py). Candidates compile
+first in parallel worker processes (Triton's on-disk cache), then are timed one by one.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 
 import torch
 from triton.testing import do_bench
@@ -14,8 +23,9 @@ from flash_jvp._utils import Spec
 from flash_jvp.kernels import configs
 from flash_jvp.kernels.configs import Config
 
-SHAPES = [(4, 16, 8192, 64, False), (4, 8, 8192, 128, False)]
-# Hand-pruned: each compile costs seconds of the lease. (BLOCK_M, BLOCK_N, warps, stages)
+SHAPES = [(4, 16, 8192, 64), (4, 8, 8192, 128)]  # B, H, L, E
+# Hand-pruned: each compile costs seconds of the lease. (BLOCK_M, BLOCK_N, warps, stages
+# [, maxnreg]); maxnreg caps registers at an occupancy step (128 x 8 warps: 2 blocks per SM).
 CANDIDATES = {
     ("jvp", 64): [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3),
                   (64, 64, 4, 2), (128, 64, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2)],
@@ -25,59 +35,87 @@ CANDIDATES = {
                   (64, 64, 4, 3), (128, 32, 4, 3)],
     ("fwd", 128): [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
                    (128, 32, 8, 3)],
-    ("dkdv", 64): [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3),
-                   (32, 128, 8, 2)],
-    ("dkdv", 128): [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 2)],
-    ("dq", 64): [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2)],
-    ("dq", 128): [(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
+    ("dkdv", 64): [(32, 128, 4, 3), (32, 128, 4, 2), (32, 64, 4, 3), (32, 64, 4, 3, 168),
+                   (64, 128, 8, 2), (32, 128, 8, 3, 128), (64, 64, 4, 3)],
+    ("dkdv", 128): [(64, 128, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2),
+                    (32, 64, 4, 2)],
+    ("dq", 64): [(128, 64, 8, 3), (128, 64, 8, 3, 128), (128, 64, 8, 2, 128), (64, 64, 4, 3),
+                 (64, 64, 4, 3, 168)],
+    ("dq", 128): [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 4, 3, 168),
+                  (128, 64, 8, 2)],
 }  # fmt: skip
+KERNEL_CONFIGS = {"fwd": "fwd", "jvp": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
 
 
-def candidates(kind: str, E: int) -> list[Config]:
-    return [Config(*c) for c in CANDIDATES[(kind, E)]]
-
-
-def time_config(kind, cfg, shape):
-    B, H, L, E, causal = shape
+def problem(shape, case):
+    """The timed function's inputs: q, k, v, tangents, do, mask, spec."""
+    B, H, L, E = shape
+    torch.manual_seed(0)
     q, k, v, qt, kt, vt, do = (
         torch.randn(B, H, L, E, device="cuda", dtype=torch.bfloat16) for _ in range(7)
     )
-    spec = Spec(E**-0.5, 0 if causal else None)
-    names = {"fwd": "fwd", "jvp": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
-    saved = getattr(configs, names[kind])
-    setattr(configs, names[kind], lambda *a: [cfg])
+    mask = None
+    if case == "pad10":  # (B, 1, 1, L): the last 10 % of keys are padding
+        mask = (torch.arange(L, device="cuda") < int(0.9 * L)).expand(B, 1, 1, L)
+    spec = Spec(E**-0.5, 0 if case == "causal" else None)
+    return q, k, v, (qt, kt, vt), do, mask, spec
+
+
+def time_config(kind, cfg, shape, case, compile_only=False):
+    """Median ms of the kernel(s) of ``kind`` with ``cfg`` (the backward is timed whole,
+    the other backward kernel keeping its configured choice), or the error's name."""
+    q, k, v, (qt, kt, vt), do, mask, spec = problem(shape, case)
+    name = KERNEL_CONFIGS[kind]
+    saved = getattr(configs, name)
+    setattr(configs, name, lambda *a: [cfg])
     _ops._CHOSEN.clear()
     try:
-        if kind == "fwd":
-            fn = lambda: _ops.attn_fwd(q, k, v, None, None, None, None, None, spec)  # noqa: E731
-        elif kind == "jvp":
-            fn = lambda: _ops.attn_fwd(q, k, v, qt, kt, vt, None, None, spec)  # noqa: E731
+        if kind in ("fwd", "jvp"):
+            tangents = (qt, kt, vt) if kind == "jvp" else (None, None, None)
+            fn = lambda: _ops.attn_fwd(q, k, v, *tangents, mask, None, spec)  # noqa: E731
         else:
-            o, _, lse = _ops.attn_fwd(q, k, v, None, None, None, None, None, spec)
-            fn = lambda: _ops.attn_bwd(do, q, k, v, o, lse, None, spec)  # noqa: E731
+            o, _, lse = _ops.attn_fwd(q, k, v, None, None, None, mask, None, spec)
+            fn = lambda: _ops.attn_bwd(do, q, k, v, o, lse, mask, spec)  # noqa: E731
         fn()
+        if compile_only:
+            return 0.0
         return do_bench(fn, warmup=10, rep=40, return_mode="median")
     except Exception as err:  # out of resources etc.: not a candidate
         return f"{type(err).__name__}"
     finally:
-        setattr(configs, names[kind], saved)
+        setattr(configs, name, saved)
         _ops._CHOSEN.clear()
+
+
+def _compile(job):
+    kind, cfg, shape, case = job
+    return time_config(kind, cfg, shape, case, compile_only=True)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--kinds", default="jvp,fwd,dkdv,dq")
+    parser.add_argument("--cases", default="none,pad10,causal")
+    parser.add_argument("--jobs", type=int, default=12, help="parallel compile processes")
     args = parser.parse_args()
+    jobs = [
+        (kind, Config(*c), shape, case)
+        for shape in SHAPES
+        for kind in args.kinds.split(",")
+        for c in CANDIDATES[(kind, shape[3])]
+        for case in args.cases.split(",")
+    ]
+    with mp.get_context("spawn").Pool(args.jobs) as pool:
+        pool.map(_compile, jobs, chunksize=1)
     results = []
-    for shape in SHAPES:
-        for kind in args.kinds.split(","):
-            timed = [(time_config(kind, c, shape), c) for c in candidates(kind, shape[3])]
-            ok = sorted((t, c) for t, c in timed if isinstance(t, float))
-            for t, c in ok[:3]:
-                print(f"{kind:5} {shape}: {t:.3f} ms {c}", flush=True)
-            results.append({"kind": kind, "shape": shape,
-                            "timings": [(str(t), c.__dict__) for t, c in timed]})  # fmt: skip
+    for kind, cfg, shape, case in jobs:
+        t = time_config(kind, cfg, shape, case)
+        results.append({"kind": kind, "shape": shape, "case": case, "config": cfg.__dict__,
+                        "ms": t if isinstance(t, float) else None, "error": None
+                        if isinstance(t, float) else t})  # fmt: skip
+        shown = f"{t:.3f} ms" if isinstance(t, float) else t
+        print(f"{kind:5} {shape} {case:6}: {shown} {cfg}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

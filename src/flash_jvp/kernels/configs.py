@@ -25,13 +25,18 @@ class Config:
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    # Register cap per thread (ptxas .maxnreg); None lets ptxas choose. Used where a kernel
+    # sits just above an occupancy step (e.g. 8 warps at > 128 registers: 1 block per SM).
+    maxnreg: int | None = None
 
     def kwargs(self) -> dict[str, int]:
+        extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
         return {
             "BLOCK_M": self.BLOCK_M,
             "BLOCK_N": self.BLOCK_N,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
+            **extra,
         }
 
 
@@ -56,7 +61,7 @@ _BEST = {
         128: Config(32, 64, 4, 3), 256: Config(32, 64, 4, 1),
     },
     "bwd_dq": {
-        "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3),
+        "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3, maxnreg=128),
         128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2),
     },
 }  # fmt: skip
