@@ -20,6 +20,7 @@ from flash_jvp._ops import _head_dim
 from flash_jvp.kernels import configs
 from flash_jvp.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from flash_jvp.kernels.fwd import attn_fwd_kernel
+from flash_jvp.kernels.mask_ranges import mask_ranges_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes per block on H100/H200
@@ -35,7 +36,7 @@ def signature(kernel, dtype: str, constexprs: dict) -> tuple[dict, dict]:
             sig[p.name] = "constexpr"
         elif p.name in ("LSE", "DELTA", "DMASK"):
             sig[p.name] = "*fp32"
-        elif p.name in ("KV_RANGES", "Q_RANGES", "CU_SEQLENS_Q", "CU_SEQLENS_K"):
+        elif p.name in ("KV_RANGES", "Q_RANGES", "RANGES", "CU_SEQLENS_Q", "CU_SEQLENS_K"):
             sig[p.name] = "*i32"
         elif p.name in ("MASK", "MASK_T"):
             sig[p.name] = "*u8" if constexprs.get("MASK_KIND") == 1 else POINTER_DTYPE[dtype]
@@ -60,9 +61,9 @@ def resources(compiled) -> tuple[int, int]:
     return regs, spills
 
 
-def compile_one(kernel, dtype, cfg, constexprs):
-    sig, consts = signature(kernel, dtype, {**constexprs, "BLOCK_M": cfg.BLOCK_M,
-                                            "BLOCK_N": cfg.BLOCK_N})  # fmt: skip
+def compile_one(kernel, dtype, cfg, constexprs, blocks=True):
+    tiles = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N} if blocks else {}
+    sig, consts = signature(kernel, dtype, {**constexprs, **tiles})
     try:
         c = triton.compile(
             ASTSource(kernel, sig, consts),
@@ -126,6 +127,11 @@ def main():
                     cfg = getattr(configs, f"bwd_{name}")(hd, tdt)[0]
                     res = compile_one(kernel, dtype, cfg, {**base, **extra})
                     print(f"{dtype} E{e:3d} {name:8}{vname} {cfg}: {res}")
+        for kind in (1, 2):  # the mask's tile-range table: boolean, additive
+            cfg = configs.Config(16, 128, 4, 1)  # BLOCK_C = 128, as _ops.MASK_RANGES_BLOCK
+            consts = {"MASK_KIND": kind, "BLOCK_C": cfg.BLOCK_N}
+            res = compile_one(mask_ranges_kernel, dtype, cfg, consts, blocks=False)
+            print(f"{dtype} mask_ranges MASK_KIND={kind}: {res}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,16 @@ import re
 
 import pytest
 import torch
-from helpers import CUDA, DEVICE, DTYPE_IDS, DTYPES, assert_close_rel, qkv, randn
+from helpers import (
+    CUDA,
+    DEVICE,
+    DTYPE_IDS,
+    DTYPES,
+    assert_close_rel,
+    needs_kernels,
+    qkv,
+    randn,
+)
 from torch.autograd import forward_ad as fwAD
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
@@ -142,6 +151,67 @@ def check_mask(q, k, v, mask, tangents, do, mask_t=None, mask_grad=False, ref_ma
 def _assert_all_finite(res: dict) -> None:
     for name, x in res.items():
         assert torch.isfinite(x).all(), f"{name} has NaN/Inf"
+
+
+# ---------------------------------------------------------------- the tile-range table
+def _ranges_oracle(mask: torch.Tensor, other_len: int, mask_min: float) -> torch.Tensor:
+    """(lo, hi, dense) per 16 rows of a 4-D mask in plain torch (the kernel's definition)."""
+    keep = mask if mask.dtype == torch.bool else ~(mask <= mask_min)  # NaN is kept
+    n, m = keep.shape[-2:]
+    count = keep.sum(-1)
+    idx = torch.arange(m, device=keep.device)
+    first = torch.where(keep, idx, m).amin(-1)
+    last = torch.where(keep, idx + 1, 0).amax(-1)
+    if m == 1:
+        first, last, count = first * 0, torch.full_like(last, other_len), count * other_len
+    row_lo = torch.where(count > 0, first, other_len)
+    row_hi = torch.where(count > 0, last, 0)
+    table = []
+    for g in range(0, n, 16):
+        lo, hi = row_lo[..., g : g + 16], row_hi[..., g : g + 16]
+        glo, ghi = lo.amin(-1), hi.amax(-1)
+        exact = (lo == glo[..., None]) & (hi == ghi[..., None])
+        dense = (exact & (count[..., g : g + 16] == (ghi - glo)[..., None])).all(-1)
+        table.append(torch.stack((glo, ghi, dense.to(glo.dtype)), -1))
+    return torch.stack(table, -2).to(torch.int32)
+
+
+def _table_masks():
+    """(name, 4-D mask, other_len) covering the table's cases."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+    pad = torch.arange(150)[None, :] < torch.tensor([150, 149, 97, 0])[:, None]
+    additive = torch.where(
+        rand(2, 1, 37, 150) < 0.6, torch.randn(2, 1, 37, 150, generator=g), -torch.inf
+    )
+    additive[0, 0, 3] = torch.finfo(torch.float16).min
+    additive[1, 0, 32:] = -torch.inf  # the last group of rows sees one NaN entry only
+    additive[1, 0, 33, 7] = torch.nan
+    window = (torch.arange(40)[:, None] - torch.arange(40)[None, :]).abs() < 5
+    return [
+        ("random-bool", rand(2, 3, 37, 150) < 0.3, 150),
+        ("dense-rows", rand(1, 2, 33, 1) < 0.5, 140),
+        ("key-padding", pad[:, None, None, :], 150),
+        ("key-padding-by-keys", pad[:, None, None, :].transpose(-1, -2), 64),
+        ("all-masked", torch.zeros(1, 1, 20, 9, dtype=torch.bool), 9),
+        ("window", window[None, None], 40),
+        ("window-expanded", window.expand(2, 3, 40, 40), 40),
+        ("additive-f32", additive, 150),
+        ("additive-f16-by-keys", additive.to(torch.float16).transpose(-1, -2), 37),
+    ]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name,mask,other_len", _table_masks(), ids=[m[0] for m in _table_masks()])
+def test_range_table_kernel_matches_torch(name, mask, other_len):
+    """The one-launch range table (kernels/mask_ranges.py) equals its definition in torch, for
+    broadcast, transposed, expanded, empty, NaN and finfo.min masks (rows not a multiple of 16,
+    columns past one block of the kernel)."""
+    mask = mask.to(DEVICE)
+    mask_min = torch.finfo(torch.float16).min
+    ours = _ops.mask_ranges(mask, other_len, mask_min)
+    ref = _ranges_oracle(_ops._unexpanded(mask), other_len, mask_min)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- 1: shapes and layouts

@@ -19,10 +19,12 @@ from .kernels import configs
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .kernels.configs import Config
 from .kernels.fwd import attn_fwd_kernel
+from .kernels.mask_ranges import mask_ranges_kernel
 
 Tensor = torch.Tensor
 
 MASK_GROUP = 16  # rows/keys per entry of the tile-range tables; kernels/common.py has it too
+MASK_RANGES_BLOCK = 128  # mask columns per step of mask_ranges_kernel
 
 # key -> the first candidate config that fit the GPU's resources for it
 _CHOSEN: dict[tuple, Config] = {}
@@ -114,13 +116,6 @@ def _mask_splits(mask: Tensor | None) -> tuple[int, ...]:
     return (1, 2) if mask is not None and mask.dtype == torch.bool else (0,)
 
 
-def _keep(mask: Tensor, mask_min: float) -> Tensor:
-    """Entries that take part; NaN counts as taking part, so it reaches the output as in SDPA."""
-    if mask.dtype == torch.bool:
-        return mask
-    return ~(mask <= mask_min)
-
-
 def _unexpanded(mask: Tensor) -> Tensor:
     """The mask with every stride-0 dim cut to size 1 (same values, no broadcast copies)."""
     for d in range(mask.dim()):
@@ -129,37 +124,22 @@ def _unexpanded(mask: Tensor) -> Tensor:
     return mask
 
 
-def mask_ranges(keep: Tensor, other_len: int) -> Tensor:
-    """The tile-range table the kernels skip masked blocks with: (..., groups, 3) int32.
-
-    For every MASK_GROUP rows of ``keep`` (..., n, m) (dim -2): lo, hi = the range of
-    columns where any of them is True (lo = other_len, hi = 0 if none), and dense = 1 if
-    each of those rows is True on exactly [lo, hi) (key padding, say), which lets a kernel
-    bound the keys instead of loading the mask. A size-1 dim stands for a broadcast one
-    (other_len columns along dim -1). Memory: one byte per mask entry, temporarily.
-    """
-    n, m = keep.shape[-2:]
-    count = keep.sum(-1)
-    if m == 1:
-        row_lo = torch.where(count > 0, 0, other_len)
-        row_hi = torch.where(count > 0, other_len, 0)
-        count = count * other_len
-    else:
-        first = keep.to(torch.uint8).argmax(-1)  # index of the first True (0 if none)
-        last = m - keep.flip(-1).to(torch.uint8).argmax(-1)
-        row_lo = torch.where(count > 0, first, m)
-        row_hi = torch.where(count > 0, last, 0)
-    rows = torch.stack((row_lo, row_hi, count), -1)  # (..., n, 3)
-    if n > 1:  # group rows; pad with copies of the last row, which change nothing
-        pad = -n % MASK_GROUP
-        rows = torch.cat([rows, rows[..., -1:, :].expand(*rows.shape[:-2], pad, 3)], dim=-2)
-        rows = rows.reshape(*rows.shape[:-2], -1, MASK_GROUP, 3)
-    else:
-        rows = rows.unsqueeze(-2)
-    lo, hi = rows[..., 0].amin(-1), rows[..., 1].amax(-1)
-    dense = (rows[..., 0] == lo[..., None]) & (rows[..., 1] == hi[..., None])
-    dense = (dense & (rows[..., 2] == (hi - lo)[..., None])).all(-1)
-    return torch.stack((lo, hi, dense.to(lo.dtype)), dim=-1).to(torch.int32)
+def mask_ranges(mask: Tensor, other_len: int, mask_min: float) -> Tensor:
+    """The tile-range table of a 4-D ``mask`` (b, h, n, m), one launch: (b, h, groups, 3)
+    int32 rows (lo, hi, dense) per MASK_GROUP rows (see kernels/mask_ranges.py). Pass the
+    mask transposed (a view) for a table per group of keys. Size-1 (or stride-0) dims stay
+    size 1 in the table; the kernels read it through strides."""
+    mask = _unexpanded(mask)
+    b, h, n, m = mask.shape
+    groups = triton.cdiv(n, MASK_GROUP)
+    ranges = torch.empty((b, h, groups, 3), device=mask.device, dtype=torch.int32)
+    mask_ranges_kernel[(groups, b * h)](
+        MASK=mask.view(torch.uint8) if mask.dtype == torch.bool else mask, RANGES=ranges,
+        **_strides(mask, "m"), **_strides(ranges, "r"), H=h, n_rows=n, n_cols=m,
+        other_len=other_len, mask_min=mask_min, MASK_KIND=mask_kind(mask),
+        BLOCK_C=MASK_RANGES_BLOCK,
+    )  # fmt: skip
+    return ranges
 
 
 def _mask_args(
@@ -184,12 +164,11 @@ def _mask_args(
     same_rows, same_cols = full.stride(2) == 0, full.stride(3) == 0
     if grad:
         same_rows, same_cols = same_rows and mask.shape[2] == 1, same_cols and mask.shape[3] == 1
-    keep = _keep(_unexpanded(mask), mask_min)
     if by_keys:
-        ranges = mask_ranges(keep.transpose(-1, -2), lay.Lq)
+        ranges = mask_ranges(mask.transpose(-1, -2), lay.Lq, mask_min)
         groups = triton.cdiv(lay.Lk, MASK_GROUP)
     else:
-        ranges = mask_ranges(keep, lay.Lk)
+        ranges = mask_ranges(mask, lay.Lk, mask_min)
         groups = triton.cdiv(lay.Lq, MASK_GROUP)
     ranges = ranges.expand(lay.B, lay.H, groups, 3)
     return dict(
