@@ -1,7 +1,14 @@
-"""Compile every kernel variant for sm_90 (Hopper) without a GPU; report registers, spills
-and shared memory. Catches compile errors and resource overruns before a device run.
+"""Compile, for sm_90 (Hopper) and without a GPU, exactly the kernels the launchers would launch
+for a set of problems; report registers, spill stack, shared memory, and two signs of values
+ptxas takes as divergent (R2UR moves to uniform registers, WARPSYNC). Catches compile errors,
+spills and register steps before a device run.
 
     python scripts/compile_sm90.py [--quick]
+
+The launchers in flash_jvp._ops run on empty CPU tensors with every launch recorded instead of
+run; each recorded launch is compiled with the specialisation Triton's launcher would give it
+(pointers 16-byte aligned, integers equal to 1 as constants, integers divisible by 16 marked so).
+"(+N vs no mask)": registers a variant needs beyond the same kernel without mask or causal.
 """
 
 from __future__ import annotations
@@ -12,126 +19,140 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flash_jvp._ops import _head_dim
-from flash_jvp.kernels import configs
-from flash_jvp.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
-from flash_jvp.kernels.fwd import attn_fwd_kernel
-from flash_jvp.kernels.mask_ranges import mask_ranges_kernel
+from flash_jvp import _ops
+from flash_jvp._utils import Spec
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes per block on H100/H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-POINTER_DTYPE = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
-TENSORS = {"Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T", "DO", "DK", "DV_OUT", "DQ"}
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+           torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*u8"}  # fmt: skip
 
 
-def signature(kernel, dtype: str, constexprs: dict) -> tuple[dict, dict]:
-    sig = {}
-    for p in kernel.params:
+class _Recorder:
+    """Stands in for a kernel (kernel[grid](**args)) or for _ops._launch; keeps the calls."""
+
+    def __init__(self, calls, kernel=None):
+        self.calls, self.kernel = calls, kernel
+
+    def __getitem__(self, grid):
+        return lambda **args: self.calls.append((self.kernel, None, args))
+
+    def __call__(self, kernel, grid, candidates, key, **args):
+        self.calls.append((kernel, candidates[0], args))
+
+
+def record(problem) -> list:
+    """The launches (kernel, config, arguments) of one fwd+JVP and one backward."""
+    calls = []
+    saved = (_ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel)
+    _ops._launch = _Recorder(calls)
+    _ops.attn_bwd_preprocess_kernel = _Recorder([])
+    _ops.mask_ranges_kernel = _Recorder(calls, saved[2])
+    try:
+        problem()
+    finally:
+        _ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel = saved
+    return calls
+
+
+def compile_launch(kernel, cfg, args) -> str:
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        val = cfg.kwargs()[p.name] if cfg is not None and p.name in cfg.kwargs() else args[p.name]
         if p.is_constexpr:
-            sig[p.name] = "constexpr"
-        elif p.name in ("LSE", "DELTA", "DMASK"):
-            sig[p.name] = "*fp32"
-        elif p.name in ("KV_RANGES", "Q_RANGES", "RANGES", "CU_SEQLENS_Q", "CU_SEQLENS_K"):
-            sig[p.name] = "*i32"
-        elif p.name in ("MASK", "MASK_T"):
-            sig[p.name] = "*u8" if constexprs.get("MASK_KIND") == 1 else POINTER_DTYPE[dtype]
-        elif p.name in TENSORS:
-            sig[p.name] = POINTER_DTYPE[dtype]
-        elif p.name in ("scale", "mask_min"):
+            sig[p.name], consts[p.name] = "constexpr", val
+        elif isinstance(val, torch.Tensor):
+            sig[p.name], attrs[(i,)] = POINTER[val.dtype], [["tt.divisibility", 16]]
+        elif isinstance(val, float):
             sig[p.name] = "fp32"
+        elif int(val) == 1:
+            sig[p.name], consts[p.name] = "constexpr", 1
         else:
             sig[p.name] = "i32"
-    return sig, constexprs
-
-
-def resources(compiled) -> tuple[int, int]:
-    """(registers, spill stores) from the cubin's resource usage."""
+            if int(val) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": 4, "num_stages": 1}
+    if cfg is not None:
+        options = {k: v for k, v in cfg.kwargs().items() if k not in ("BLOCK_M", "BLOCK_N")}
+    try:
+        compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=TARGET,
+                                  options=options)  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - report and go on
+        return f"ERROR {type(err).__name__}: {str(err).splitlines()[-1][:200]}"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True,
-                             text=True).stdout  # fmt: skip
-    regs = int(re.search(r"REG:(\d+)", out).group(1))
-    spills = int(re.search(r"STACK:(\d+)", out).group(1))
-    return regs, spills
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout  # fmt: skip
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    smem = compiled.metadata.shared
+    flags = (" SMEM>LIMIT" if smem > SMEM_LIMIT else "") + (" SPILLS" if stack else "")
+    return (f"regs {regs:3d} stack {stack:5d} smem {smem:6d} R2UR {sass.count('R2UR'):3d} "
+            f"WARPSYNC {sass.count('WARPSYNC')}{flags}")  # fmt: skip
 
 
-def compile_one(kernel, dtype, cfg, constexprs, blocks=True):
-    tiles = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N} if blocks else {}
-    sig, consts = signature(kernel, dtype, {**constexprs, **tiles})
-    try:
-        c = triton.compile(
-            ASTSource(kernel, sig, consts),
-            target=TARGET,
-            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-        )
-    except Exception as err:  # noqa: BLE001 - report and go on
-        return f"ERROR {type(err).__name__}: {str(err).splitlines()[-1][:200]}"
-    regs, stack = resources(c)
-    smem = c.metadata.shared
-    flag = " SMEM>LIMIT" if smem > SMEM_LIMIT else ""
-    flag += " SPILLS" if stack else ""
-    return f"regs {regs:3d} stack {stack:5d} smem {smem:6d}{flag}"
+def problems(E: int, dtype: torch.dtype):
+    """(name, callable running attn_fwd with tangents and attn_bwd) per mask/layout case."""
+    B, H, L = 2, 4, 1024
+    q, k, v, o, do, q_t, k_t, v_t = (torch.empty(B, H, L, E, dtype=dtype) for _ in range(8))
+    lse = torch.zeros(B, H, L)
+    scale = E**-0.5
+    pad = (torch.arange(L) < L - 100).expand(B, 1, 1, L)
+    bias = torch.zeros(1, H, L, L, dtype=dtype)
+    cu = torch.tensor([0, L, 2 * L], dtype=torch.int32)
+
+    def dense(mask, spec):
+        def run():
+            _ops.attn_fwd(q, k, v, q_t, k_t, v_t, mask, None, spec)
+            _ops.attn_fwd(q, k, v, None, None, None, mask, None, spec)
+            _ops.attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad=mask is bias)
+
+        return run
+
+    def packed():
+        pk = [x.transpose(1, 2).reshape(B * L, H, E) for x in (q, k, v, o, do, q_t, k_t, v_t)]
+        spec = Spec(scale, 0, cu, cu, L, L)
+        _ops.attn_fwd(*pk[:3], *pk[5:], None, None, spec)
+        _ops.attn_bwd(pk[4], *pk[:4], torch.zeros(H, B * L), None, spec)
+
+    return [("", dense(None, Spec(scale))), (" causal", dense(None, Spec(scale, 0))),
+            (" pad", dense(pad, Spec(scale))), (" bias", dense(bias, Spec(scale))),
+            (" varlen", packed)]  # fmt: skip
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="bf16, E = 64 and 128 only")
     args = parser.parse_args()
     dims = (64, 128) if args.quick else (16, 64, 72, 128, 160, 256)
-    # (name, mask/varlen switches): no mask; key padding (bool, same for all rows); an additive
-    # mask with its gradient and tangent; packed variable-length batches.
-    variants = (
-        ("", dict(MASK_KIND=0, MASK_SAME_ROWS=False, MASK_SAME_COLS=False, VARLEN=False)),
-        (" causal", dict(MASK_KIND=0, MASK_SAME_ROWS=False, MASK_SAME_COLS=False, VARLEN=False)),
-        (" pad", dict(MASK_KIND=1, MASK_SAME_ROWS=True, MASK_SAME_COLS=False, VARLEN=False)),
-        (
-            " pad-dense",
-            dict(
-                MASK_KIND=1, MASK_SAME_ROWS=True, MASK_SAME_COLS=False, VARLEN=False, MASK_SPLIT=1
-            ),
-        ),
-        (" bias", dict(MASK_KIND=2, MASK_SAME_ROWS=False, MASK_SAME_COLS=False, VARLEN=False)),
-        (" varlen", dict(MASK_KIND=0, MASK_SAME_ROWS=False, MASK_SAME_COLS=False, VARLEN=True)),
-    )
-    dtypes = ("bf16",) if args.quick else ("bf16", "fp32")
-    torch_dtype = {"bf16": "bfloat16", "fp32": "float32"}
-    import torch
-
+    dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
     for dtype in dtypes:
-        prec = "ieee" if dtype == "fp32" else "tf32"
         for e in dims:
-            hd = _head_dim(e)
-            tdt = getattr(torch, torch_dtype[dtype])
-            for vname, variant in variants:
-                causal = vname in (" causal", " varlen")
-                base = dict(D=e, DV=e, HEAD_DIM=hd, HEAD_DIM_V=hd, IS_CAUSAL=causal,
-                            DOT_PRECISION=prec, **{"MASK_SPLIT": 2 if vname == " pad" else 0,
-                                                   **variant})  # fmt: skip
-                for tangent in (False, True):
-                    flags = dict(HAS_Q_T=tangent, HAS_K_T=tangent, HAS_V_T=tangent,
-                                 HAS_MASK_T=tangent and variant["MASK_KIND"] == 2)  # fmt: skip
-                    cfg = configs.fwd(hd, tdt, tangent)[0]
-                    res = compile_one(attn_fwd_kernel, dtype, cfg, {**base, **flags})
-                    print(f"{dtype} E{e:3d} fwd{'+jvp' if tangent else '    '}{vname} {cfg}: {res}")
-                dq_flags = dict(MASK_GRAD=variant["MASK_KIND"] == 2)
-                for name, kernel, extra in (
-                    ("dkdv", attn_bwd_dkdv_kernel, {}),
-                    ("dq", attn_bwd_dq_kernel, dq_flags),
-                ):
-                    cfg = getattr(configs, f"bwd_{name}")(hd, tdt)[0]
-                    res = compile_one(kernel, dtype, cfg, {**base, **extra})
-                    print(f"{dtype} E{e:3d} {name:8}{vname} {cfg}: {res}")
-        for kind in (1, 2):  # the mask's tile-range table: boolean, additive
-            cfg = configs.Config(16, 128, 4, 1)  # BLOCK_C = 128, as _ops.MASK_RANGES_BLOCK
-            consts = {"MASK_KIND": kind, "BLOCK_C": cfg.BLOCK_N}
-            res = compile_one(mask_ranges_kernel, dtype, cfg, consts, blocks=False)
-            print(f"{dtype} mask_ranges MASK_KIND={kind}: {res}")
+            base_regs = {}
+            for name, problem in problems(e, dtype):
+                for kernel, cfg, kargs in record(problem):
+                    res = compile_launch(kernel, cfg, kargs)
+                    label = kernel.fn.__name__.replace("attn_", "").replace("_kernel", "")
+                    if kargs.get("HAS_Q_T"):
+                        label += "+jvp"
+                    regs = re.search(r"regs +(\d+)", res)
+                    if regs and not name:
+                        base_regs[label] = int(regs.group(1))
+                    extra = ""
+                    if regs and name and label in base_regs:
+                        extra = f" ({int(regs.group(1)) - base_regs[label]:+d} vs no mask)"
+                    label += f" split{kargs['MASK_SPLIT']}" if kargs.get("MASK_SPLIT") else ""
+                    cfg_s = "" if cfg is None else f" {cfg.BLOCK_M}x{cfg.BLOCK_N} w{cfg.num_warps}"
+                    print(f"{str(dtype)[6:]} E{e:3d}{name:8} {label:22}{cfg_s}: {res}{extra}",
+                          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
