@@ -21,6 +21,7 @@ is measured against a fifth of the gradients' scale instead of dividing by zero.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -122,9 +123,11 @@ def flash_sdpa_grads(q, k, v, do, **kwargs) -> tuple[torch.Tensor, ...] | None:
         return None
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     try:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.enable_grad():
-            out = F.scaled_dot_product_attention(*leaves, **kwargs)
-            return torch.autograd.grad(out, leaves, do)
+        with warnings.catch_warnings():  # torch explains each refusal in a UserWarning
+            warnings.simplefilter("ignore", UserWarning)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.enable_grad():
+                out = F.scaled_dot_product_attention(*leaves, **kwargs)
+                return torch.autograd.grad(out, leaves, do)
     except RuntimeError:  # "No available kernel" for this shape/dtype
         return None
 
