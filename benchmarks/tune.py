@@ -111,10 +111,10 @@ def main():
     results = []
     for kind, cfg, shape, case in jobs:
         t = time_config(kind, cfg, shape, case)
+        ok = isinstance(t, float)
         results.append({"kind": kind, "shape": shape, "case": case, "config": cfg.__dict__,
-                        "ms": t if isinstance(t, float) else None, "error": None
-                        if isinstance(t, float) else t})  # fmt: skip
-        shown = f"{t:.3f} ms" if isinstance(t, float) else t
+                        "ms": t if ok else None, "error": None if ok else t})  # fmt: skip
+        shown = f"{t:.3f} ms" if ok else t
         print(f"{kind:5} {shape} {case:6}: {shown} {cfg}", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -80,6 +80,16 @@ def compile_launch(kernel, cfg, args) -> str:
     options = {"num_warps": 4, "num_stages": 1}
     if cfg is not None:
         options = {k: v for k, v in cfg.kwargs().items() if k not in ("BLOCK_M", "BLOCK_N")}
+    key = (kernel.fn.__name__, repr(sig), repr(consts), repr(attrs), repr(options))
+    if key not in _REPORTS:  # the same table kernel is recorded once per mask table
+        _REPORTS[key] = _compile_report(kernel, sig, consts, attrs, options)
+    return _REPORTS[key]
+
+
+_REPORTS: dict[tuple, str] = {}
+
+
+def _compile_report(kernel, sig, consts, attrs, options) -> str:
     try:
         compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=TARGET,
                                   options=options)  # fmt: skip
