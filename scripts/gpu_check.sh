@@ -2,11 +2,14 @@
 # GPU tier, one device call: the whole test suite on CUDA, `python -m flash_jvp check`, and
 # optionally the benchmark and config tuning. Logs go to $OUT (the device tool's output folder)
 # or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [check] [bench] [tune]
+# TESTS: test paths for the tests step (default: tests). Compiled kernels are cached under
+# gpu-results/ (ignored by git), so consecutive calls on a still-warm device reuse them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/gpu-results/triton-cache}
 steps=${*:-tests check}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
@@ -14,7 +17,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   | tee -a "$out/gpu.txt"
 for step in $steps; do
   case $step in
-    tests) timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest tests -q -n 14 -p no:cacheprovider \
+    tests) timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest ${TESTS:-tests} -q -n 14 -p no:cacheprovider \
              --durations=15 2>&1 | tee "$out/gpu-tests.txt" || status=1 ;;
     check) python3 -m flash_jvp check --json "$out/check.json" 2>&1 \
              | tee "$out/check.txt" || status=1 ;;

@@ -411,6 +411,22 @@ def test_c10_expanded_kv_and_tangent_strides(dtype):
     )
 
 
+@DTYPE
+@pytest.mark.parametrize("width", [72, 100, 75, 64 + 16 * 3])
+def test_c10_row_strides_not_multiples_of_16(dtype, width):
+    """Inputs and tangents sliced from rows of ``width`` elements: the kernels are told the
+    largest power of two dividing every row stride (8, 4, 1, 16 here), so a wrong hint would
+    address the wrong rows."""
+    B, H, L, E = 2, 2, 40, 64
+
+    def sliced():
+        return randn(B, H, L, width, dtype=dtype)[..., 3 : 3 + E]
+
+    q, k, v = sliced(), sliced(), sliced()
+    tangents = (sliced(), sliced(), sliced())
+    assert_matches_reference(flash_jvp.attention, q, k, v, tangents, sliced(), is_causal=True)
+
+
 # ---------------------------------------------------------------- seed parity scenario
 @DTYPE
 def test_seed_parity_dual_tensors_that_require_grad(dtype):

@@ -7,6 +7,7 @@ They take and return plain tensors with any strides: dense (B, H, L, E), or pack
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,13 @@ def _strides(t: Tensor | None, prefix: str) -> dict[str, int]:
         names = ("b", "h", "m" if prefix in ("q", "o", "qt", "ot", "do", "dq") else "n", "d")
     values = t.stride() if t is not None else (0,) * len(names)
     return {f"stride_{prefix}{n}": s for n, s in zip(names, values)}
+
+
+def _stride_align(*tiles: Tensor | None) -> int:
+    """STRIDE_ALIGN: the largest power of two up to 16 dividing the row stride of every
+    (B, H, L, E) view the kernel loads or stores tiles of (see kernels/common.aligned)."""
+    g = math.gcd(*(t.stride(2) for t in tiles if t is not None))
+    return min(16, g & -g) if g else 16
 
 
 @dataclass
@@ -264,7 +272,7 @@ def attn_fwd(
         **_lse_strides(lse, spec), scale=spec.scale, mask_min=mask_min,
         causal_offset=spec.causal_offset or 0, H=lay.H, GROUP=lay.H // lay.H_KV,
         Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-        **flags,
+        STRIDE_ALIGN=_stride_align(q4, k4, v4, o4, q_t4, k_t4, v_t4, o_t4), **flags,
     )  # fmt: skip
     for split in _mask_splits(mask):
         _launch(
@@ -314,6 +322,7 @@ def attn_bwd(
         **_strides(o4, "o"), **_strides(do4, "do"), **_lse_strides(lse, spec),
         H=lay.H, Lq=lay.Lq, DV=lay.DV, HEAD_DIM_V=head_dim_v,
         BLOCK_M=configs.PREPROCESS_BLOCK_M, VARLEN=spec.varlen,
+        STRIDE_ALIGN=_stride_align(o4, do4),
     )  # fmt: skip
     mask_min = torch.finfo(q.dtype).min
     common = dict(
@@ -324,6 +333,7 @@ def attn_bwd(
         Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
         IS_CAUSAL=spec.causal_offset is not None, VARLEN=spec.varlen,
         DOT_PRECISION=_dot_precision(q.dtype),
+        STRIDE_ALIGN=_stride_align(q4, k4, v4, do4, dq4, dk4, dv4),
     )  # fmt: skip
     tile = max(head_dim, head_dim_v)
     dkdv_mask = _mask_args(mask, lay, mask_min, by_keys=True)

@@ -47,10 +47,14 @@ class Shape:
 
 
 def shapes(quick: bool) -> list[Shape]:
+    """Long sequences (B=4) at E=64/128; short ones with many heads as in DiT at 256 px
+    (B*H = 1024); head dims that are not powers of two (DiT-XL/2: 72)."""
     lengths = (1024, 4096, 8192) if quick else (1024, 2048, 4096, 8192, 16384)
     out = [Shape(4, 16, n, 64, False) for n in lengths]
     out += [Shape(4, 16, n, 64, True) for n in lengths]
     out += [Shape(4, 8, n, 128, False) for n in lengths]
+    out += [Shape(64, 16, n, 64, False) for n in ((256, 1024) if quick else (256, 512, 1024))]
+    out += [Shape(4, 16, 4096, e, False) for e in ((72,) if quick else (72, 80, 96))]
     return out
 
 
@@ -151,7 +155,10 @@ METHODS = (
     ("flash_jvp", "bwd", lambda s: _bwd(attention, s)),
     ("flash_jvp", "fwd+jvp+bwd", lambda s: _jvp_bwd(attention, s)),
     ("sdpa_flash", "fwd", lambda s: _fwd(_backend(SDPBackend.FLASH_ATTENTION), s)),
+    ("sdpa_flash", "bwd", lambda s: _bwd(_backend(SDPBackend.FLASH_ATTENTION), s)),
     ("sdpa_flash", "fwd+bwd", lambda s: _fwd_bwd(_backend(SDPBackend.FLASH_ATTENTION), s)),
+    ("sdpa_cudnn", "fwd", lambda s: _fwd(_backend(SDPBackend.CUDNN_ATTENTION), s)),
+    ("sdpa_cudnn", "bwd", lambda s: _bwd(_backend(SDPBackend.CUDNN_ATTENTION), s)),
     ("sdpa_math", "fwd+jvp", lambda s: _jvp(_backend(SDPBackend.MATH), s)),
 )
 # Masks and packed batches, on the long non-causal E=64 shapes: 10 % key padding against no
@@ -178,10 +185,12 @@ class Row:
     ms: float
     tflops: float
     peak_gib: float
+    note: str = ""
 
 
-def _measure(factory, s: Shape) -> tuple[float, float]:
-    """(median ms, peak GiB above the inputs) or (nan, nan) when out of memory."""
+def _measure(factory, s: Shape) -> tuple[float, float, str]:
+    """(median ms, peak GiB above the inputs, "") or (nan, nan, why) when out of memory or
+    refused (cuDNN has no kernel for some shapes)."""
     from triton.testing import do_bench
 
     torch.cuda.empty_cache()
@@ -197,11 +206,38 @@ def _measure(factory, s: Shape) -> tuple[float, float]:
         peak = (torch.cuda.max_memory_allocated() - base) / GIB
         ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
     except torch.OutOfMemoryError:
-        return math.nan, math.nan
+        return math.nan, math.nan, "out of memory"
+    except RuntimeError as err:  # an SDPA backend without a kernel for this shape
+        return math.nan, math.nan, str(err).splitlines()[0][:120]
     finally:
         fn = None
         torch.cuda.empty_cache()
-    return ms, peak
+    return ms, peak, ""
+
+
+def host_overhead(calls: int = 200) -> dict[str, float]:
+    """Host time per call (microseconds) of each method on a problem too small to keep the
+    GPU busy (B=H=1, L=128, E=64), so the loop runs at the speed the host enqueues work:
+    Python, torch's autograd/torch.func machinery and the kernel launches."""
+    import time
+
+    s = Shape(1, 1, 128, 64, False)
+    out = {}
+    for method, mode, factory in METHODS:
+        fn = factory(s)
+        try:
+            for _ in range(20):
+                fn()
+        except RuntimeError:  # an SDPA backend without a kernel here
+            out[f"{method} {mode}"] = math.nan
+            continue
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        out[f"{method} {mode}"] = (time.perf_counter() - start) / calls * 1e6
+    return out
 
 
 def ratios(rows: list[Row]) -> list[dict]:
@@ -217,13 +253,18 @@ def ratios(rows: list[Row]) -> list[dict]:
             row = by.get((method, mode, *key))
             return row.ms if row else math.nan
 
+        def fastest(mode):
+            return min((ms(m, mode) for m in ("sdpa_flash", "sdpa_cudnn")),
+                       key=lambda t: t if math.isfinite(t) else math.inf)  # fmt: skip
+
         out.append(
             {
                 "B": r.B, "H": r.H, "L": r.L, "E": r.E, "is_causal": r.is_causal,
                 "fwd+jvp / flash fwd": ms("flash_jvp", "fwd+jvp") / ms("sdpa_flash", "fwd"),
                 "fwd+jvp+bwd / flash fwd+bwd":
                     ms("flash_jvp", "fwd+jvp+bwd") / ms("sdpa_flash", "fwd+bwd"),
-                "fwd / flash fwd": ms("flash_jvp", "fwd") / ms("sdpa_flash", "fwd"),
+                "fwd / fastest SDPA fwd": ms("flash_jvp", "fwd") / fastest("fwd"),
+                "bwd / fastest SDPA bwd": ms("flash_jvp", "bwd") / fastest("bwd"),
                 "math jvp / fwd+jvp": ms("sdpa_math", "fwd+jvp") / ms("flash_jvp", "fwd+jvp"),
                 "pad10% / no mask, fwd+jvp":
                     ms("flash_jvp pad10%", "fwd+jvp") / ms("flash_jvp", "fwd+jvp"),
@@ -236,14 +277,14 @@ def ratios(rows: list[Row]) -> list[dict]:
     return out
 
 
-def _markdown(meta: dict, rows: list[Row], ratio_rows: list[dict]) -> str:
+def _markdown(meta: dict, rows: list[Row], ratio_rows: list[dict], host_us: dict) -> str:
     lines = [f"# flash_jvp bench, {meta['date']}", "", "```", json.dumps(meta, indent=1), "```", ""]
-    lines += ["| method | mode | B | H | L | E | causal | ms | TFLOP/s | peak GiB |",
-              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["| method | mode | B | H | L | E | causal | ms | TFLOP/s | peak GiB | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(
             f"| {r.method} | {r.mode} | {r.B} | {r.H} | {r.L} | {r.E} | {r.is_causal} | "
-            f"{r.ms:.3f} | {r.tflops:.1f} | {r.peak_gib:.2f} |"
+            f"{r.ms:.3f} | {r.tflops:.1f} | {r.peak_gib:.2f} | {r.note} |"
         )
     if ratio_rows:
         keys = list(ratio_rows[0])
@@ -255,6 +296,9 @@ def _markdown(meta: dict, rows: list[Row], ratio_rows: list[dict]) -> str:
                 + " | ".join(f"{x:.2f}" if isinstance(x, float) else str(x) for x in rr.values())
                 + " |"  # fmt: skip
             )
+    lines += ["", "Host time per call (us) at B=H=1, L=128, E=64, where the GPU waits on the host:",
+              "", "| method | us |", "|---|---|"]  # fmt: skip
+    lines += [f"| {name} | {us:.1f} |" for name, us in host_us.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -288,13 +332,13 @@ def run_bench(out_dir: str, quick: bool, console: Console) -> int:
     for s in shapes(quick):
         extra = MASK_METHODS if s.E == 64 and not s.is_causal and s.L >= 4096 else ()
         for method, mode, factory in METHODS + extra:
-            ms, peak = _measure(factory, s)
+            ms, peak, note = _measure(factory, s)
             tflops = s.flops(mode) / (ms * 1e-3) / 1e12 if math.isfinite(ms) else math.nan
             rows.append(Row(method, mode, s.B, s.H, s.L, s.E, s.is_causal, s.dtype, ms, tflops,
-                            peak))  # fmt: skip
+                            peak, note))  # fmt: skip
             console.print(
                 f"{method:>10} {mode:>12} B{s.B} H{s.H} L{s.L} E{s.E} causal={s.is_causal}: "
-                f"{ms:8.3f} ms {tflops:7.1f} TFLOP/s {peak:6.2f} GiB"
+                f"{ms:8.3f} ms {tflops:7.1f} TFLOP/s {peak:6.2f} GiB {note}"
             )
     ratio_rows = ratios(rows)
     table = Table(title="flash_jvp time ratios")
@@ -303,6 +347,9 @@ def run_bench(out_dir: str, quick: bool, console: Console) -> int:
     for rr in ratio_rows:
         table.add_row(*(f"{x:.2f}" if isinstance(x, float) else str(x) for x in rr.values()))
     console.print(table)
+    host_us = host_overhead()
+    for name, us in host_us.items():
+        console.print(f"host time per call, {name}: {us:7.1f} us")
 
     date = dt.datetime.now(dt.timezone.utc)
     meta = {"date": date.isoformat(timespec="seconds"), **environment()}
@@ -310,10 +357,10 @@ def run_bench(out_dir: str, quick: bool, console: Console) -> int:
     gpu = meta.get("gpu", "gpu").replace("NVIDIA ", "").replace(" ", "-").lower()
     stem = os.path.join(out_dir, f"{date:%Y-%m-%d}-{gpu}-bench")
     with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "ratios": ratio_rows}, f,
-                  indent=1)  # fmt: skip
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "ratios": ratio_rows,
+                   "host_us_per_call": host_us}, f, indent=1)  # fmt: skip
     with open(stem + ".md", "w") as f:
-        f.write(_markdown(meta, rows, ratio_rows))
+        f.write(_markdown(meta, rows, ratio_rows, host_us))
     _plot(rows, stem + ".png")
     console.print(f"wrote {stem}.json, .md, .png")
     return 0

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    aligned,
     apply_mask,
     block_range,
     key_range,
@@ -55,8 +56,10 @@ def attn_bwd_preprocess_kernel(
     HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
     VARLEN: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,
 ):
     """delta = rowsum(o * do) in float32, laid out like lse. Grid: (cdiv(Lq, BLOCK_M), B * H)."""
+    stride_om, stride_dom = aligned(stride_om, STRIDE_ALIGN), aligned(stride_dom, STRIDE_ALIGN)
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
@@ -215,8 +218,12 @@ def attn_bwd_dkdv_kernel(
     MASK_SPLIT: tl.constexpr,
     VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,
 ):
     """dk, dv for one [BLOCK_N] key block of one kv head. Grid: (cdiv(Lk, BLOCK_N), B * H_KV)."""
+    stride_qm, stride_dom = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_dom, STRIDE_ALIGN)
+    stride_kn, stride_vn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_vn, STRIDE_ALIGN)
+    stride_dkn, stride_dvn = aligned(stride_dkn, STRIDE_ALIGN), aligned(stride_dvn, STRIDE_ALIGN)
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND  # see fwd.py
     start_n = tl.program_id(0) * BLOCK_N
     pid_bhk = tl.program_id(1)
@@ -448,11 +455,15 @@ def attn_bwd_dq_kernel(
     MASK_SPLIT: tl.constexpr,
     VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,
 ):
     """dq (and the additive mask's gradient) for one [BLOCK_M] query block.
 
     Grid: (cdiv(Lq, BLOCK_M), B * H). DMASK: float32, zeroed, broadcast like MASK (stride_g*).
     """
+    stride_qm, stride_dom = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_dom, STRIDE_ALIGN)
+    stride_kn, stride_vn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_vn, STRIDE_ALIGN)
+    stride_dqm = aligned(stride_dqm, STRIDE_ALIGN)
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND  # see fwd.py
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)

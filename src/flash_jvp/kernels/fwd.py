@@ -32,6 +32,7 @@ import triton.language as tl
 from .common import (
     LN2,
     LOG2E,
+    aligned,
     apply_mask,
     block_range,
     key_range,
@@ -242,6 +243,7 @@ def attn_fwd_kernel(
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,
 ):
     """o = softmax(scale * q k^T [+ mask]) v and lse for one [BLOCK_M] query block; o_t too
     if tangents.
@@ -254,8 +256,12 @@ def attn_fwd_kernel(
     blocks whose every row sees exactly keys [lo, hi) (no mask loads: keys are bounded by hi),
     launch 2 the others; a program not of its launch's kind exits at once.
     HEAD_DIM and HEAD_DIM_V are D and DV rounded up to a power of two (>= 16); padding
-    reads as zero.
+    reads as zero. STRIDE_ALIGN divides every row stride (see common.aligned).
     """
+    stride_qm, stride_qtm = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_qtm, STRIDE_ALIGN)
+    stride_kn, stride_ktn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_ktn, STRIDE_ALIGN)
+    stride_vn, stride_vtn = aligned(stride_vn, STRIDE_ALIGN), aligned(stride_vtn, STRIDE_ALIGN)
+    stride_om, stride_otm = aligned(stride_om, STRIDE_ALIGN), aligned(stride_otm, STRIDE_ALIGN)
     TANGENT: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_V_T or HAS_MASK_T
     # launch 1 of a boolean mask bounds the keys instead of reading the mask
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND
