@@ -7,13 +7,23 @@ o_t. When ``jvp`` is called with tangents other than the ones the forward saw (e
 ``torch.func.jvp`` outside a ``torch.func.grad``), it runs the fused kernel on them itself.
 
 All Functions use ``setup_context`` and define ``vmap`` (folding the vmapped dim into the
-batch dim), so ``torch.func.grad/jvp/vjp/jacfwd/jacrev/vmap`` compose with them.
+batch dim), so ``torch.func.grad/jvp/vjp/jacfwd/jacrev/vmap`` compose with them. Directly
+under ``torch.func.jvp`` (the common case), :func:`attention` does functorch's part itself.
 """
 
 from __future__ import annotations
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
+from torch._C._functorch import (
+    TransformType,
+    _unwrap_for_grad,
+    _wrap_for_grad,
+    is_functorch_wrapped_tensor,
+    peek_interpreter_stack,
+)
+from torch._functorch.autograd_function import custom_function_call
+from torch._functorch.pyfunctorch import coerce_cinterpreter
+from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd import forward_ad as fwAD
 
 from . import _ops, reference
@@ -64,14 +74,45 @@ def _zero_tangent(t: Tensor) -> Tensor:
     return t.new_zeros(()).expand(t.shape)
 
 
-def _jvp_result(ctx, o_t: Tensor) -> tuple[Tensor, ...]:
-    """Tangents of FlashAttnJVP's outputs: o_t for o; zeros for lse and the o_t output,
-    which are not part of the public result."""
-    lse_t = o_t.new_zeros((), dtype=torch.float32).expand(ctx.lse_shape)
-    return (o_t, lse_t) if ctx.n_outputs == 2 else (o_t, lse_t, _zero_tangent(o_t))
+def _jvp_result(ctx, o_t: Tensor) -> tuple[Tensor | None, ...]:
+    """Tangents of FlashAttnJVP's outputs: o_t for o; none for lse (not differentiable) and
+    zeros for the o_t output, which is not part of the public result."""
+    return (o_t, None) if ctx.n_outputs == 2 else (o_t, None, _zero_tangent(o_t))
 
 
-class FlashAttnJVP(torch.autograd.Function):
+class _Function(torch.autograd.Function):
+    """An autograd.Function whose ``apply`` takes positional arguments only: what
+    ``Function.apply`` does, less its per-call ``inspect.signature`` binding of default
+    arguments (about a third of a plain forward's host time; our forwards have none)."""
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return custom_function_call(cls, *args)
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
+
+
+def attention(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec) -> Tensor:
+    """o of :class:`FlashAttnJVP` (arguments as its ``forward``), carrying o_t as its tangent.
+
+    When the innermost transform is a ``torch.func.jvp`` whose tangents reached us, the
+    Function is applied one level down and o is made a dual of the fused o_t at the JVP's
+    level here. That is what functorch's generic autograd.Function support does, less its
+    per-call class generation and pytree passes (measured: ~0.6 ms of host time a call).
+    """
+    tangents = (q_t, k_t, v_t, mask_t)
+    top = peek_interpreter_stack()
+    if top is None or top.key() != TransformType.Jvp or all(t is None for t in tangents):
+        return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[0]
+    interp = coerce_cinterpreter(top)
+    level = interp.level()
+    args = [None if x is None else _unwrap_for_grad(x, level) for x in (q, k, v, mask, *tangents)]
+    with interp.lower():
+        o, _, o_t = FlashAttnJVP.apply(*args, spec)
+    return fwAD.make_dual(_wrap_for_grad(o, level), _wrap_for_grad(o_t, level))
+
+
+class FlashAttnJVP(_Function):
     """o, lse[, o_t] = attention(q, k, v, mask) with the tangents q_t, k_t, v_t, mask_t (or
     None) fused in. ``mask``: None, boolean or additive (4-D, broadcasting to the scores)."""
 
@@ -86,7 +127,7 @@ class FlashAttnJVP(torch.autograd.Function):
         o, lse = output[:2]
         ctx.spec = spec
         ctx.n_outputs = len(output)
-        ctx.lse_shape = lse.shape
+        ctx.mark_non_differentiable(lse)  # internal: saved for the backward only
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, o, lse, mask)
         o_t = output[2] if len(output) == 3 else None
@@ -117,7 +158,10 @@ class FlashAttnJVP(torch.autograd.Function):
         if do is None:
             return (None,) * 9
         mask_grad = ctx.needs_input_grad[3]
-        grads = AttnBackward.apply(do, q, k, v, o, lse, mask, ctx.spec, mask_grad)
+        if _plain_backward(do, q, k, v, mask):
+            grads = _ops.attn_bwd(do, q, k, v, o, lse, mask, ctx.spec, mask_grad)
+        else:
+            grads = AttnBackward.apply(do, q, k, v, o, lse, mask, ctx.spec, mask_grad)
         dmask = grads[3] if mask_grad else None
         return grads[0], grads[1], grads[2], dmask, None, None, None, None, None
 
@@ -133,7 +177,15 @@ class FlashAttnJVP(torch.autograd.Function):
         return _unfold(FlashAttnJVP.apply(q, k, v, mask, q_t, k_t, v_t, mask_t, spec), size)
 
 
-class AttnBackward(torch.autograd.Function):
+def _plain_backward(*tensors) -> bool:
+    """True when nothing will differentiate the gradients (no create_graph, no forward-mode
+    tangent, no torch.func wrapper), so the kernels can run without AttnBackward's Function."""
+    if torch.is_grad_enabled() or not _kernel_ready(*tensors):
+        return False
+    return all(t is None or fwAD.unpack_dual(t).tangent is None for t in tensors)
+
+
+class AttnBackward(_Function):
     """dq, dk, dv[, dmask] = vjp of attention at (q, k, v, mask) with cotangent do, from the
     saved o and lse (dmask, the additive mask's gradient, with ``mask_grad``).
 

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from ._utils import Spec
@@ -36,9 +35,14 @@ def _empty(shape: Sequence[int], like: Tensor, dtype: torch.dtype | None = None)
     return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv is a jit-callable: ~10 us per host call, several per launch
+    return -(-a // b)
+
+
 def _head_dim(e: int) -> int:
     """Tile width for a head dim: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(e))
+    return max(16, 1 << (e - 1).bit_length())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -48,15 +52,21 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+_STRIDE_NAMES = {
+    prefix: tuple(f"stride_{prefix}{n}" for n in names)
+    for names, prefixes in (
+        (("b", "h", "m", "n"), ("m", "mt", "g")),  # masks: (b, h, query row, key)
+        (("b", "h", "g"), ("r",)),  # tile-range tables: (b, h, group)
+        (("b", "h", "m", "d"), ("q", "o", "qt", "ot", "do", "dq")),
+        (("b", "h", "n", "d"), ("k", "v", "kt", "vt", "dk", "dv")),
+    )
+    for prefix in prefixes
+}
+
+
 def _strides(t: Tensor | None, prefix: str) -> dict[str, int]:
-    if prefix in ("m", "mt", "g"):  # masks: (b, h, query row, key)
-        names = ("b", "h", "m", "n")
-    elif prefix == "r":  # tile-range tables: (b, h, group)
-        names = ("b", "h", "g")
-    else:
-        names = ("b", "h", "m" if prefix in ("q", "o", "qt", "ot", "do", "dq") else "n", "d")
-    values = t.stride() if t is not None else (0,) * len(names)
-    return {f"stride_{prefix}{n}": s for n, s in zip(names, values)}
+    names = _STRIDE_NAMES[prefix]
+    return dict(zip(names, t.stride() if t is not None else (0,) * len(names)))
 
 
 def _stride_align(*tiles: Tensor | None) -> int:
@@ -139,7 +149,7 @@ def mask_ranges(mask: Tensor, other_len: int, mask_min: float) -> Tensor:
     size 1 in the table; the kernels read it through strides."""
     mask = _unexpanded(mask)
     b, h, n, m = mask.shape
-    groups = triton.cdiv(n, MASK_GROUP)
+    groups = _cdiv(n, MASK_GROUP)
     ranges = torch.empty((b, h, groups, 3), device=mask.device, dtype=torch.int32)
     mask_ranges_kernel[(groups, b * h)](
         MASK=mask.view(torch.uint8) if mask.dtype == torch.bool else mask, RANGES=ranges,
@@ -174,10 +184,10 @@ def _mask_args(
         same_rows, same_cols = same_rows and mask.shape[2] == 1, same_cols and mask.shape[3] == 1
     if by_keys:
         ranges = mask_ranges(mask.transpose(-1, -2), lay.Lq, mask_min)
-        groups = triton.cdiv(lay.Lk, MASK_GROUP)
+        groups = _cdiv(lay.Lk, MASK_GROUP)
     else:
         ranges = mask_ranges(mask, lay.Lk, mask_min)
-        groups = triton.cdiv(lay.Lq, MASK_GROUP)
+        groups = _cdiv(lay.Lq, MASK_GROUP)
     ranges = ranges.expand(lay.B, lay.H, groups, 3)
     return dict(
         MASK=full.view(torch.uint8) if mask.dtype == torch.bool else full,
@@ -277,7 +287,7 @@ def attn_fwd(
     for split in _mask_splits(mask):
         _launch(
             attn_fwd_kernel,
-            lambda c: (triton.cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
+            lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
             configs.fwd(max(head_dim, head_dim_v), q.dtype, tangent),
             key + (split,),
             MASK_SPLIT=split,
@@ -317,7 +327,7 @@ def attn_bwd(
         _view(x, spec, lay.B) for x in (q, k, v, o, do, dq, dk, dv)
     )
     seqlens = _seqlens(spec, lse)
-    attn_bwd_preprocess_kernel[(triton.cdiv(lay.Lq, configs.PREPROCESS_BLOCK_M), lay.B * lay.H)](
+    attn_bwd_preprocess_kernel[(_cdiv(lay.Lq, configs.PREPROCESS_BLOCK_M), lay.B * lay.H)](
         O=o4, DO=do4, DELTA=delta, CU_SEQLENS_Q=seqlens["CU_SEQLENS_Q"],
         **_strides(o4, "o"), **_strides(do4, "do"), **_lse_strides(lse, spec),
         H=lay.H, Lq=lay.Lq, DV=lay.DV, HEAD_DIM_V=head_dim_v,
@@ -344,7 +354,7 @@ def attn_bwd(
     for split in _mask_splits(mask):
         _launch(
             attn_bwd_dkdv_kernel,
-            lambda c: (triton.cdiv(lay.Lk, c.BLOCK_N), lay.B * lay.H_KV),
+            lambda c: (_cdiv(lay.Lk, c.BLOCK_N), lay.B * lay.H_KV),
             configs.bwd_dkdv(tile, q.dtype),
             ("dkdv", split) + key,
             DK=dk4, DV_OUT=dv4, **_strides(dk4, "dk"), **_strides(dv4, "dv"), H_KV=lay.H_KV,
@@ -357,7 +367,7 @@ def attn_bwd(
     for split in _mask_splits(mask):
         _launch(
             attn_bwd_dq_kernel,
-            lambda c: (triton.cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
+            lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
             configs.bwd_dq(tile, q.dtype),
             ("dq", mask_grad, split) + key,
             DQ=dq4, DMASK=_or(dmask_full, lse), MASK_GRAD=mask_grad, MASK_SPLIT=split,
