@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from triton.runtime.errors import OutOfResources
 
-from ._utils import MAX_GRID_Y, Spec
+from ._utils import Spec
 from .kernels import configs
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .kernels.configs import Config
@@ -197,11 +197,14 @@ def _mask_args(
     )  # fmt: skip
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (batch * heads here)
+
+
 def _launch(
     kernel, grid: Callable[[Config], tuple[int, ...]], candidates: list[Config], key: tuple, **args
 ) -> None:
     """Launch with the first candidate that fits the GPU; remember it for this key."""
-    batch_heads = grid(candidates[0])[1]  # _validate checks it too; vmap folds more in here
+    batch_heads = grid(candidates[0])[1]
     if batch_heads > MAX_GRID_Y:
         raise NotImplementedError(
             f"flash_jvp: batch * heads = {batch_heads} is more than this version launches "
