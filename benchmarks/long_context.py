@@ -1,5 +1,6 @@
 """One long-context sCM step on the GPU (target 5 of the performance issue): fwd+JVP+bwd at
-B=1, H=16, L=131072, E=128, bf16, against flash SDPA fwd+bwd; time and peak memory of each.
+B=1, H=16, L=131072, E=128, bf16, against flash SDPA fwd+bwd; time and peak memory of each,
+measured as ``python -m flash_jvp bench`` measures (``bench._measure``).
 
     python benchmarks/long_context.py [--L 131072]
 """
@@ -7,9 +8,6 @@ B=1, H=16, L=131072, E=128, bf16, against flash SDPA fwd+bwd; time and peak memo
 from __future__ import annotations
 
 import argparse
-
-import torch
-from triton.testing import do_bench
 
 from flash_jvp import bench
 
@@ -20,21 +18,14 @@ def main() -> None:
     args = parser.parse_args()
     s = bench.Shape(1, 16, args.L, 128, False)
     flash = bench._backend(bench.SDPBackend.FLASH_ATTENTION)
-    for method, mode, fn in (
-        ("flash_jvp", "fwd+jvp+bwd", bench._jvp_bwd(bench.attention, s)),
-        ("sdpa_flash", "fwd+bwd", bench._fwd_bwd(flash, s)),
+    for method, mode, factory in (
+        ("flash_jvp", "fwd+jvp+bwd", lambda s: bench._jvp_bwd(bench.attention, s)),
+        ("sdpa_flash", "fwd+bwd", lambda s: bench._fwd_bwd(flash, s)),
     ):
-        fn()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / bench.GIB
-        ms = do_bench(fn, warmup=1, rep=1, return_mode="median")
+        ms, peak, note = bench._measure(factory, s)
         tflops = s.flops(mode) / (ms * 1e-3) / 1e12
         print(f"{method:10} {mode:12} B1 H16 L{s.L} E128 bf16: {ms:9.1f} ms {tflops:6.1f} "
-              f"TFLOP/s, peak {peak:.2f} GiB above the inputs")  # fmt: skip
+              f"TFLOP/s, peak {peak:.2f} GiB above the inputs {note}")  # fmt: skip
 
 
 if __name__ == "__main__":
