@@ -1,7 +1,8 @@
 """Time candidate launch configs of each kernel on the GPU; print the best (run once, keep
 the winners in src/flash_jvp/kernels/configs.py).
 
-    python benchmarks/tune.py [--kinds jvp,fwd,dkdv,dq] [--cases none,pad10,causal] [--out F]
+    python benchmarks/tune.py [--kinds jvp,fwd,dkdv,dq] [--cases none,pad10,causal]
+                              [--shapes B,H,L,E ...] [--configs M,N,warps,stages ...] [--out F]
 
 Every kind is timed without a mask, with a 10 % boolean key-padding mask ("pad10") and causal,
 because one config serves all three and they stress registers differently (loop bounds read
@@ -23,9 +24,10 @@ from flash_jvp._utils import Spec
 from flash_jvp.kernels import configs
 from flash_jvp.kernels.configs import Config
 
-SHAPES = [(4, 16, 8192, 64), (4, 8, 8192, 128)]  # B, H, L, E
+SHAPES = ["4,16,8192,64", "4,8,8192,128"]  # B, H, L, E
 # Hand-pruned: each compile costs seconds of the lease. (BLOCK_M, BLOCK_N, warps, stages
 # [, maxnreg]); maxnreg caps registers at an occupancy step (128 x 8 warps: 2 blocks per SM).
+# Keyed by the configs' head-dim bucket (kernels/configs.py): the tile width 64, 96 or 128.
 CANDIDATES = {
     ("jvp", 64): [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3),
                   (64, 64, 4, 2), (128, 64, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2)],
@@ -43,8 +45,20 @@ CANDIDATES = {
                  (64, 64, 4, 3, 168)],
     ("dq", 128): [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 4, 3, 168),
                   (128, 64, 8, 2)],
+    ("jvp", 96): [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2),
+                  (128, 32, 8, 3)],
+    ("fwd", 96): [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
+    ("dkdv", 96): [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 4, 2)],
+    ("dq", 96): [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2)],
 }  # fmt: skip
 KERNEL_CONFIGS = {"fwd": "fwd", "jvp": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
+
+
+def bucket(shape) -> int:
+    """The configs' head-dim bucket of a bf16 problem (B, H, L, E)."""
+    B, H, L, E = shape
+    width = _ops._tile_width(_ops._tile_args(_ops._Layout(B, H, H, L, L, E, E)))
+    return configs.bucket(width, torch.bfloat16)
 
 
 def problem(shape, case):
@@ -97,13 +111,18 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--kinds", default="jvp,fwd,dkdv,dq")
     parser.add_argument("--cases", default="none,pad10,causal")
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="B,H,L,E each")
+    parser.add_argument("--configs", nargs="+", help="M,N,warps,stages[,maxnreg] each "
+                        "(default: CANDIDATES)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=12, help="parallel compile processes")
     args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
+    chosen = args.configs and [tuple(int(x) for x in c.split(",")) for c in args.configs]
     jobs = [
         (kind, Config(*c), shape, case)
-        for shape in SHAPES
+        for shape in shapes
         for kind in args.kinds.split(",")
-        for c in CANDIDATES[(kind, shape[3])]
+        for c in chosen or CANDIDATES[(kind, bucket(shape))]
         for case in args.cases.split(",")
     ]
     with mp.get_context("spawn").Pool(args.jobs) as pool:

@@ -141,8 +141,9 @@ def problems(E: int, dtype: torch.dtype):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="bf16, E = 64 and 128 only")
+    parser.add_argument("--dims", type=int, nargs="+", help="head dims (default: a spread)")
     args = parser.parse_args()
-    dims = (64, 128) if args.quick else (16, 64, 72, 128, 160, 256)
+    dims = args.dims or ((64, 128) if args.quick else (16, 64, 72, 80, 96, 128, 160, 256))
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
     for dtype in dtypes:
         for e in dims:

@@ -47,6 +47,7 @@ SHAPES = [
     case(1, 2, 2, 48, 48, 96),
     case(1, 2, 2, 48, 48, 64, Ev=128),
     case(1, 2, 2, 48, 48, 72, Ev=40),
+    case(1, 2, 1, 33, 40, 160, Ev=48),
     # custom scale, large-magnitude inputs
     case(1, 2, 2, 64, 64, 64, scale=0.3),
     case(1, 2, 2, 64, 64, 32, scale=2.0),
@@ -57,6 +58,8 @@ SHAPES = [
     case(1, 2, 2, 8192, 8192, 64, marks=gpu),
     case(4, 16, 16, 256, 256, 72, marks=gpu),
     case(1, 4, 4, 1000, 1000, 160, marks=gpu),
+    case(1, 4, 4, 1000, 1000, 96, marks=gpu),
+    case(2, 4, 2, 700, 900, 80, marks=gpu),
     case(1, 4, 4, 1000, 1000, 256, marks=gpu),
 ]
 
@@ -138,3 +141,16 @@ def test_batch_times_heads_beyond_the_grid_limit():
     q = randn(65536, 1, 1, 16)
     with pytest.raises(NotImplementedError, match="batch \\* heads = 65536"):
         flash_jvp.attention(q, q, q)
+
+
+def test_head_tiles_are_the_narrowest_cover():
+    """Every head dim is tiled as one power of two, or two (the second narrower), of the
+    least total width (ties: one tile); tl.dot needs >= 16 columns."""
+    from flash_jvp._ops import _head_tiles
+
+    pow2 = [16, 32, 64, 128, 256]
+    for e in range(1, 257):
+        head, tail = _head_tiles(e)
+        covers = [(h, t) for h in pow2 for t in [0, *pow2] if t < h and h + t >= e]
+        best = min(covers, key=lambda ht: (ht[0] + ht[1], ht[1]))
+        assert (head, tail) == best, e

@@ -27,11 +27,12 @@ def _force_candidate(monkeypatch, index: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("E", [64, 128, 256])
+@pytest.mark.parametrize("E", [64, 80, 128, 256])  # 80: split tiles (64 + 16 columns)
+@pytest.mark.parametrize("Lk", [333, 600])  # the short-key configs, and the others
 @pytest.mark.parametrize("index", range(3))
-def test_candidate_config(monkeypatch, dtype, E, index):
+def test_candidate_config(monkeypatch, dtype, E, Lk, index):
     _force_candidate(monkeypatch, index)
-    q, k, v, tangents, do = qkv(2, 3, 3, 300, 333, E, dtype=dtype)
+    q, k, v, tangents, do = qkv(2, 3, 3, 300, Lk, E, dtype=dtype)
     for is_causal in (False, True):
         try:
             assert_matches_reference(

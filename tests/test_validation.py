@@ -142,3 +142,13 @@ def test_tangent_dtype_must_match_its_primal():
         dual = fwAD.make_dual(q, t(1, 2, 8, 16, dtype=torch.float16))
         with pytest.raises(ValueError, match="tangent of query to have its dtype torch.float32"):
             flash_jvp.attention(dual, q, q)
+
+
+@needs_kernels
+def test_batch_times_heads_beyond_the_grid_is_refused_and_listed():
+    """CUDA's grid limit on batch * heads: supports() names it, the call raises it."""
+    q = t(1, 1, 4, 8).expand(65536, 1, 4, 8)
+    reasons = flash_jvp.supports(q, q, q)
+    assert any("batch * heads = 65536" in r for r in reasons), reasons
+    with pytest.raises(NotImplementedError, match="batch \\* heads = 65536"):
+        flash_jvp.attention(q, q, q)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from triton.runtime.errors import OutOfResources
 
-from ._utils import Spec
+from ._utils import MAX_GRID_Y, Spec
 from .kernels import configs
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .kernels.configs import Config
@@ -40,9 +40,31 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _head_dim(e: int) -> int:
-    """Tile width for a head dim: the next power of two, at least 16 (tl.dot's minimum)."""
+def _pow2(e: int) -> int:
+    """The next power of two, at least 16 (tl.dot's minimum)."""
     return max(16, 1 << (e - 1).bit_length())
+
+
+def _head_tiles(e: int) -> tuple[int, int]:
+    """(HEAD_DIM, HEAD_DIM_TAIL): the columns a head dim is tiled as. One power of two, or
+    where two cover it with less padding, a power of two and a smaller one (72: 64 + 16, 96:
+    64 + 32, 160: 128 + 32 instead of 128, 128, 256; measured in benchmarks/NOTES.md)."""
+    full = _pow2(e)
+    head = full // 2
+    tail = _pow2(e - head) if e > head else 0
+    return (head, tail) if head >= 32 and 0 < tail and head + tail < full else (full, 0)
+
+
+def _tile_args(lay: _Layout) -> dict[str, int]:
+    """HEAD_DIM[_TAIL] and HEAD_DIM_V[_TAIL] of the kernels for these head dims."""
+    (h, t), (hv, tv) = _head_tiles(lay.D), _head_tiles(lay.DV)
+    return dict(HEAD_DIM=h, HEAD_DIM_TAIL=t, HEAD_DIM_V=hv, HEAD_DIM_V_TAIL=tv)
+
+
+def _tile_width(tiles: dict[str, int]) -> int:
+    """The widest tile row a kernel holds (what its launch configs are chosen by)."""
+    return max(tiles["HEAD_DIM"] + tiles["HEAD_DIM_TAIL"],
+               tiles["HEAD_DIM_V"] + tiles["HEAD_DIM_V_TAIL"])  # fmt: skip
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -197,14 +219,11 @@ def _mask_args(
     )  # fmt: skip
 
 
-MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (batch * heads here)
-
-
 def _launch(
     kernel, grid: Callable[[Config], tuple[int, ...]], candidates: list[Config], key: tuple, **args
 ) -> None:
     """Launch with the first candidate that fits the GPU; remember it for this key."""
-    batch_heads = grid(candidates[0])[1]
+    batch_heads = grid(candidates[0])[1]  # _validate checks it too; vmap folds more in here
     if batch_heads > MAX_GRID_Y:
         raise NotImplementedError(
             f"flash_jvp: batch * heads = {batch_heads} is more than this version launches "
@@ -252,7 +271,7 @@ def attn_fwd(
     lse = _empty(lse_shape, q, torch.float32)
     if o.numel() == 0 or lay.B == 0:
         return o, o_t, lse
-    head_dim, head_dim_v = _head_dim(lay.D), _head_dim(lay.DV)
+    tiles = _tile_args(lay)
     mask_min = torch.finfo(q.dtype).min
     mask_args = _mask_args(mask, lay, mask_min, by_keys=False)
     flags = dict(
@@ -269,7 +288,8 @@ def attn_fwd(
     q4, k4, v4, o4, q_t4, k_t4, v_t4, o_t4 = (
         _view(x, spec, lay.B) for x in (q, k, v, o, q_t, k_t, v_t, o_t)
     )
-    key = ("fwd", max(head_dim, head_dim_v), q.dtype, tuple(flags.values()), q.device.index)
+    width, short = _tile_width(tiles), lay.Lk <= configs.SHORT_LK
+    key = ("fwd", tuple(tiles.values()), short, q.dtype, tuple(flags.values()), q.device.index)
     args = dict(
         Q=q4, K=k4, V=v4, O=o4, LSE=lse,
         # absent tensors: any valid pointer, never read (the switches are compile-time)
@@ -281,14 +301,14 @@ def attn_fwd(
         **_strides(o_t4, "ot"), **_strides(mask_t_full, "mt"), **mask_args,
         **_lse_strides(lse, spec), scale=spec.scale, mask_min=mask_min,
         causal_offset=spec.causal_offset or 0, H=lay.H, GROUP=lay.H // lay.H_KV,
-        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, **tiles,
         STRIDE_ALIGN=_stride_align(q4, k4, v4, o4, q_t4, k_t4, v_t4, o_t4), **flags,
     )  # fmt: skip
     for split in _mask_splits(mask):
         _launch(
             attn_fwd_kernel,
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
-            configs.fwd(max(head_dim, head_dim_v), q.dtype, tangent),
+            configs.fwd(width, q.dtype, tangent, short),
             key + (split,),
             MASK_SPLIT=split,
             **args,
@@ -320,7 +340,7 @@ def attn_bwd(
     dmask = torch.zeros(mask.shape, device=q.device, dtype=torch.float32) if mask_grad else None
     if q.numel() == 0 or k.numel() == 0 or lay.B == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), _cast(dmask, mask)
-    head_dim, head_dim_v = _head_dim(lay.D), _head_dim(lay.DV)
+    tiles = _tile_args(lay)
     lse = lse.contiguous()  # the kernels index it by rows; vmap may hand us a view
     delta = _empty(lse.shape, q, torch.float32)
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (
@@ -330,7 +350,7 @@ def attn_bwd(
     attn_bwd_preprocess_kernel[(_cdiv(lay.Lq, configs.PREPROCESS_BLOCK_M), lay.B * lay.H)](
         O=o4, DO=do4, DELTA=delta, CU_SEQLENS_Q=seqlens["CU_SEQLENS_Q"],
         **_strides(o4, "o"), **_strides(do4, "do"), **_lse_strides(lse, spec),
-        H=lay.H, Lq=lay.Lq, DV=lay.DV, HEAD_DIM_V=head_dim_v,
+        H=lay.H, Lq=lay.Lq, DV=lay.DV, HEAD_DIM_V=_pow2(lay.DV),
         BLOCK_M=configs.PREPROCESS_BLOCK_M, VARLEN=spec.varlen,
         STRIDE_ALIGN=_stride_align(o4, do4),
     )  # fmt: skip
@@ -340,17 +360,17 @@ def attn_bwd(
         **_strides(q4, "q"), **_strides(k4, "k"), **_strides(v4, "v"), **_strides(do4, "do"),
         **_lse_strides(lse, spec), scale=spec.scale, mask_min=mask_min,
         causal_offset=spec.causal_offset or 0, H=lay.H, GROUP=lay.H // lay.H_KV,
-        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, **tiles,
         IS_CAUSAL=spec.causal_offset is not None, VARLEN=spec.varlen,
         DOT_PRECISION=_dot_precision(q.dtype),
         STRIDE_ALIGN=_stride_align(q4, k4, v4, do4, dq4, dk4, dv4),
     )  # fmt: skip
-    tile = max(head_dim, head_dim_v)
+    tile = _tile_width(tiles)
     dkdv_mask = _mask_args(mask, lay, mask_min, by_keys=True)
     dkdv_mask.setdefault("MASK", q4)
     dkdv_mask.setdefault("Q_RANGES", lse)
-    key = (tile, q.dtype, common["IS_CAUSAL"], common["DOT_PRECISION"], spec.varlen,
-           mask_kind(mask), q.device.index)  # fmt: skip
+    key = (tuple(tiles.values()), q.dtype, common["IS_CAUSAL"], common["DOT_PRECISION"],
+           spec.varlen, mask_kind(mask), q.device.index)  # fmt: skip
     for split in _mask_splits(mask):
         _launch(
             attn_bwd_dkdv_kernel,

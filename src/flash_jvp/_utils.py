@@ -16,6 +16,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETER_DTYPES = (torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension: batch * heads in the kernels
 
 
 def uses_kernels(device: torch.device) -> bool:

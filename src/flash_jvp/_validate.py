@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 from torch.nn.attention.bias import CausalBias
 
-from ._utils import HAS_TRITON, MAX_HEAD_DIM, kernel_dtypes
+from ._utils import HAS_TRITON, MAX_GRID_Y, MAX_HEAD_DIM, kernel_dtypes
 
 Problem = tuple[type[Exception], str]
 FP32_MAX = torch.finfo(torch.float32).max
@@ -145,6 +146,15 @@ def _kernel_problems(q, k, v) -> list[Problem]:
                     f"{MAX_HEAD_DIM} (query {tuple(q.shape)}, value {tuple(v.shape)}).",
                 )
             )
+    batch_heads = math.prod(q.shape[:-2])
+    if batch_heads > MAX_GRID_Y:
+        out.append(
+            (
+                NotImplementedError,
+                f"flash_jvp: batch * heads = {batch_heads} (query {tuple(q.shape)}) is more than "
+                f"this version launches ({MAX_GRID_Y}, CUDA's grid limit); split the batch.",
+            )
+        )
     return out
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch._C._functorch import TransformType, is_batchedtensor
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch._C._functorch import TransformType, get_interpreter_stack, is_batchedtensor
 from torch.autograd import forward_ad as fwAD
 from torch.nn.attention.bias import CausalBias
 
@@ -268,8 +267,8 @@ def _tangent(x: Tensor, name: str) -> Tensor | None:
 def _nested_forward_ad() -> bool:
     """Two or more torch.func forward-mode levels (jvp of jvp, jacfwd of jacfwd): the fused
     kernel gives only first-order tangents, so such calls take the PyTorch reference path."""
-    jvp_levels = sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
-    return jvp_levels >= 2
+    stack = get_interpreter_stack()  # C++ interpreters: no Python wrappers built per call
+    return stack is not None and sum(i.key() == TransformType.Jvp for i in stack) >= 2
 
 
 def _autocast(*xs):

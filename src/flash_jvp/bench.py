@@ -7,7 +7,8 @@ fwd+JVP+bwd = 5.5 x fwd; fwd+bwd = 3.5 x fwd. Times are medians of CUDA-event ti
 Each method's inputs are fresh random tensors; nothing is timed on zeros. On the long
 non-causal E=64 shapes it also times a 10 % key-padding mask against no mask, and a packed
 (varlen) batch of lengths L, 3L/4, L/2, L/4 against the same batch padded to L with a
-key-padding mask (their TFLOP/s use the dense shape's nominal FLOPs: compare times).
+key-padding mask (their TFLOP/s use the dense shape's nominal FLOPs: compare times). Short
+shapes (L <= 1024) are also timed replayed from a CUDA graph, without host time.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ class Shape:
 
 def shapes(quick: bool) -> list[Shape]:
     """Long sequences (B=4) at E=64/128; short ones with many heads as in DiT at 256 px
-    (B*H = 1024); head dims that are not powers of two (DiT-XL/2: 72)."""
+    (B*H = 1024); head dims that are not powers of two (DiT-XL/2: 72, ViT-H: 80)."""
     lengths = (1024, 4096, 8192) if quick else (1024, 2048, 4096, 8192, 16384)
     out = [Shape(4, 16, n, 64, False) for n in lengths]
     out += [Shape(4, 16, n, 64, True) for n in lengths]
     out += [Shape(4, 8, n, 128, False) for n in lengths]
     out += [Shape(64, 16, n, 64, False) for n in ((256, 1024) if quick else (256, 512, 1024))]
+    out += [Shape(64, 16, 256, 72, False)]  # DiT-XL/2 at 256 px
     out += [Shape(4, 16, 4096, e, False) for e in ((72,) if quick else (72, 80, 96))]
     return out
 
@@ -141,6 +143,26 @@ def _varlen_jvp(s: Shape) -> Callable[[], object]:
     return lambda: torch.func.jvp(fn, (q, k, v), tuple(tangents))
 
 
+def _graphed(factory) -> Callable[[Shape], Callable[[], object]]:
+    """factory's call captured in a CUDA graph; times its replay (no host work per call, as in
+    a training loop under CUDA graphs or torch.compile's reduce-overhead mode)."""
+
+    def build(s: Shape) -> Callable[[], object]:
+        fn = factory(s)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (compiles) off the capture
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+    return build
+
+
 def _padded_dense_jvp(s: Shape) -> Callable[[], object]:
     """The same batch as :func:`_varlen_jvp`, padded to L with a key-padding mask."""
     keep = torch.arange(s.L, device="cuda") < torch.tensor(_lengths(s), device="cuda")[:, None]
@@ -169,6 +191,12 @@ MASK_METHODS = (
     ("flash_jvp pad10%", "fwd+jvp+bwd", lambda s: _jvp_bwd(_padded(attention, s), s)),
     ("flash_jvp varlen", "fwd+jvp", _varlen_jvp),
     ("flash_jvp padded", "fwd+jvp", _padded_dense_jvp),
+)
+# Short sequences (L <= 1024), where host time per call exceeds the kernels' time: the same
+# calls replayed from a CUDA graph.
+GRAPH_METHODS = (
+    ("flash_jvp graph", "fwd+jvp", _graphed(lambda s: _jvp(attention, s))),
+    ("sdpa_flash graph", "fwd", _graphed(lambda s: _fwd(_backend(SDPBackend.FLASH_ATTENTION), s))),
 )
 
 
@@ -272,6 +300,8 @@ def ratios(rows: list[Row]) -> list[dict]:
                     ms("flash_jvp pad10%", "fwd+jvp+bwd") / ms("flash_jvp", "fwd+jvp+bwd"),
                 "varlen / padded, fwd+jvp":
                     ms("flash_jvp varlen", "fwd+jvp") / ms("flash_jvp padded", "fwd+jvp"),
+                "graphed: fwd+jvp / flash fwd":
+                    ms("flash_jvp graph", "fwd+jvp") / ms("sdpa_flash graph", "fwd"),
             }
         )  # fmt: skip
     return out
@@ -331,6 +361,7 @@ def run_bench(out_dir: str, quick: bool, console: Console) -> int:
     rows = []
     for s in shapes(quick):
         extra = MASK_METHODS if s.E == 64 and not s.is_causal and s.L >= 4096 else ()
+        extra += GRAPH_METHODS if s.L <= 1024 else ()
         for method, mode, factory in METHODS + extra:
             ms, peak, note = _measure(factory, s)
             tflops = s.flops(mode) / (ms * 1e-3) / 1e12 if math.isfinite(ms) else math.nan

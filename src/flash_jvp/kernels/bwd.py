@@ -24,13 +24,15 @@ from .common import (
     aligned,
     apply_mask,
     block_range,
+    dot_split,
     key_range,
     load_mask,
+    load_split,
     load_tile,
     mask_range,
     score_mask,
     seq_bounds,
-    store_tile,
+    store_split,
 )
 
 
@@ -91,9 +93,13 @@ def _load_row_stats(LSE, DELTA, row_base, offs_m, Lq):
 @triton.jit
 def _attn_bwd_dkdv_inner(
     dk,
+    dk2,
     dv,
+    dv2,
     k,
+    k2,
     v,
+    v2,
     offs_n,
     q_base,
     do_base,
@@ -117,7 +123,9 @@ def _attn_bwd_dkdv_inner(
     D: tl.constexpr,
     DV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_TAIL: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MASK: tl.constexpr,
     MASK_KIND: tl.constexpr,
@@ -125,17 +133,15 @@ def _attn_bwd_dkdv_inner(
     MASK_SAME_COLS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True, D != HEAD_DIM)
-        do = load_tile(
-            do_base, offs_m, offs_dv, stride_dom, stride_dod, Lq, DV, True, DV != HEAD_DIM_V
-        )
+        q, q2 = load_split(q_base, offs_m, stride_qm, stride_qd, Lq, D, HEAD_DIM, HEAD_DIM_TAIL,
+                           True)  # fmt: skip
+        do, do2 = load_split(do_base, offs_m, stride_dom, stride_dod, Lq, DV, HEAD_DIM_V,
+                             HEAD_DIM_V_TAIL, True)  # fmt: skip
         lse, delta = _load_row_stats(LSE, DELTA, row_base, offs_m, Lq)
         # Transposed scores [BLOCK_N, BLOCK_M] so P^T is never transposed in registers.
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        qk_t = dot_split(k, k2, q, q2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
         if MASK:  # causal diagonal blocks only (key bounds never reach a stored row)
             qk_t = tl.where(offs_m[None, :] + causal_offset >= offs_n[:, None], qk_t, float("-inf"))
         if MASK_KIND != 0:  # the mask tile transposed: rows are keys, columns query rows
@@ -144,10 +150,14 @@ def _attn_bwd_dkdv_inner(
             qk_t = apply_mask(qk_t, vals, mask_min, MASK_KIND)
         p_t = tl.math.exp2(qk_t - lse[None, :])
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if HEAD_DIM_V_TAIL > 0:
+            dv2 = tl.dot(p_t.to(do.dtype), do2, dv2, input_precision=DOT_PRECISION)
+        dp_t = dot_split(v, v2, do, do2, None, HEAD_DIM_V_TAIL, DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
+        if HEAD_DIM_TAIL > 0:
+            dk2 = tl.dot(ds_t.to(q.dtype), q2, dk2, input_precision=DOT_PRECISION)
+    return dk, dk2, dv, dv2
 
 
 @triton.jit
@@ -208,7 +218,9 @@ def attn_bwd_dkdv_kernel(
     D: tl.constexpr,
     DV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_TAIL: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -233,15 +245,18 @@ def attn_bwd_dkdv_kernel(
     if start_n >= Lk:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
 
-    k = load_tile(K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn, offs_n, offs_d,
-                  stride_kn, stride_kd, Lk, D, True, D != HEAD_DIM)  # fmt: skip
-    v = load_tile(V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn, offs_n, offs_dv,
-                  stride_vn, stride_vd, Lk, DV, True, DV != HEAD_DIM_V)  # fmt: skip
+    k, k2 = load_split(K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn, offs_n,
+                       stride_kn, stride_kd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL, True)  # fmt: skip
+    v, v2 = load_split(V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn, offs_n,
+                       stride_vn, stride_vd, Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL, True)  # fmt: skip
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
+    dk2, dv2 = dk, dv  # the tail columns' (unused without a tail)
+    if HEAD_DIM_TAIL > 0:
+        dk2 = tl.zeros([BLOCK_N, HEAD_DIM_TAIL], dtype=tl.float32)
+    if HEAD_DIM_V_TAIL > 0:
+        dv2 = tl.zeros([BLOCK_N, HEAD_DIM_V_TAIL], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     if IS_CAUSAL:
@@ -282,20 +297,22 @@ def attn_bwd_dkdv_kernel(
                     if stage == 0
                     else tl.minimum(q_bound, r_hi)
                 )
-                dk, dv = _attn_bwd_dkdv_inner(
-                    dk, dv, k, v, offs_n, q_base, do_base, mask_base, LSE, DELTA, row_base,
-                    stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-                    s_lo, s_hi, q_bound, Lk, causal_offset, qk_scale, mask_min,
-                    D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_M, stage == 0,
-                    LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
+                dk, dk2, dv, dv2 = _attn_bwd_dkdv_inner(
+                    dk, dk2, dv, dv2, k, k2, v, v2, offs_n, q_base, do_base, mask_base, LSE,
+                    DELTA, row_base, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
+                    stride_mn, s_lo, s_hi, q_bound, Lk, causal_offset, qk_scale, mask_min,
+                    D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_M,
+                    stage == 0, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
                 )  # fmt: skip
 
     dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn
     dv_base = DV_OUT + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn
-    store_tile(dk_base, (dk * scale).to(DK.dtype.element_ty), offs_n, offs_d, stride_dkn,
-               stride_dkd, Lk, D)  # fmt: skip
-    store_tile(dv_base, dv.to(DV_OUT.dtype.element_ty), offs_n, offs_dv, stride_dvn,
-               stride_dvd, Lk, DV)  # fmt: skip
+    dk_ty = DK.dtype.element_ty
+    dv_ty = DV_OUT.dtype.element_ty
+    store_split(dk_base, (dk * scale).to(dk_ty), (dk2 * scale).to(dk_ty), offs_n, stride_dkn,
+                stride_dkd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
+    store_split(dv_base, dv.to(dv_ty), dv2.to(dv_ty), offs_n, stride_dvn, stride_dvd, Lk, DV,
+                HEAD_DIM_V, HEAD_DIM_V_TAIL)  # fmt: skip
 
 
 @triton.jit
@@ -326,8 +343,11 @@ def _add_mask_grad(
 @triton.jit
 def _attn_bwd_dq_inner(
     dq,
+    dq2,
     q,
+    q2,
     do,
+    do2,
     lse,
     delta,
     offs_m,
@@ -353,7 +373,9 @@ def _attn_bwd_dq_inner(
     D: tl.constexpr,
     DV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_TAIL: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -363,13 +385,13 @@ def _attn_bwd_dq_inner(
     MASK_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, Lk, D, MASK, D != HEAD_DIM)
-        v = load_tile(v_base, offs_n, offs_dv, stride_vn, stride_vd, Lk, DV, MASK, DV != HEAD_DIM_V)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        k, k2 = load_split(k_base, offs_n, stride_kn, stride_kd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL,
+                           MASK)  # fmt: skip
+        v, v2 = load_split(v_base, offs_n, stride_vn, stride_vd, Lk, DV, HEAD_DIM_V,
+                           HEAD_DIM_V_TAIL, MASK)  # fmt: skip
+        qk = dot_split(q, q2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
         if MASK:
             keep = score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL)
             qk = tl.where(keep, qk, float("-inf"))
@@ -378,13 +400,15 @@ def _attn_bwd_dq_inner(
                              MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
             qk = apply_mask(qk, vals, mask_min, MASK_KIND)
         p = tl.math.exp2(qk - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        dp = dot_split(do, do2, v, v2, None, HEAD_DIM_V_TAIL, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if MASK_GRAD:  # d loss / d (additive mask) = dS
             _add_mask_grad(dmask_base, ds, offs_m, offs_n, stride_gm, stride_gn, Lq, Lk,
                            MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq
+        if HEAD_DIM_TAIL > 0:
+            dq2 = tl.dot(ds.to(k.dtype), k2, dq2, input_precision=DOT_PRECISION)
+    return dq, dq2
 
 
 @triton.jit
@@ -444,7 +468,9 @@ def attn_bwd_dq_kernel(
     D: tl.constexpr,
     DV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_TAIL: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -474,13 +500,12 @@ def attn_bwd_dq_kernel(
     if start_m >= Lq:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
 
-    q = load_tile(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm, offs_m, offs_d,
-                  stride_qm, stride_qd, Lq, D, True, D != HEAD_DIM)  # fmt: skip
-    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom, offs_m,
-                   offs_dv, stride_dom, stride_dod, Lq, DV, True, DV != HEAD_DIM_V)  # fmt: skip
+    q, q2 = load_split(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm, offs_m,
+                       stride_qm, stride_qd, Lq, D, HEAD_DIM, HEAD_DIM_TAIL, True)  # fmt: skip
+    do, do2 = load_split(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom,
+                         offs_m, stride_dom, stride_dod, Lq, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL,
+                         True)  # fmt: skip
     row_base = off_b * stride_lb + off_h * stride_lh + q_start
     lse, delta = _load_row_stats(LSE, DELTA, row_base, offs_m, Lq)
     k_base = K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
@@ -488,6 +513,9 @@ def attn_bwd_dq_kernel(
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh
     dmask_base = DMASK + off_b * stride_gb + off_h * stride_gh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq2 = dq  # the tail columns' (unused without HEAD_DIM_TAIL)
+    if HEAD_DIM_TAIL > 0:
+        dq2 = tl.zeros([BLOCK_M, HEAD_DIM_TAIL], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     lo, hi, k_bound, run = block_range(
@@ -500,14 +528,15 @@ def attn_bwd_dq_kernel(
     for stage in tl.static_range(2):  # unmasked key blocks first
         s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
         s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
+        dq, dq2 = _attn_bwd_dq_inner(
+            dq, dq2, q, q2, do, do2, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
             s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale, mask_min,
-            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
-            LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
+            D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_N, stage == 1,
+            IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
         )  # fmt: skip
 
-    store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm,
-               (dq * scale).to(DQ.dtype.element_ty), offs_m, offs_d, stride_dqm, stride_dqd, Lq,
-               D)  # fmt: skip
+    dq_ty = DQ.dtype.element_ty
+    store_split(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm,
+                (dq * scale).to(dq_ty), (dq2 * scale).to(dq_ty), offs_m, stride_dqm, stride_dqd,
+                Lq, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip

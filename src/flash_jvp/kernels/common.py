@@ -60,6 +60,60 @@ def store_tile(base, value, offs_r, offs_c, stride_r, stride_c, n_rows, N_COLS: 
 
 
 @triton.jit
+def load_split(
+    base,
+    offs_r,
+    stride_r,
+    stride_c,
+    n_rows,
+    N_COLS: tl.constexpr,
+    HEAD: tl.constexpr,
+    TAIL: tl.constexpr,
+    CHECK_R: tl.constexpr,
+):
+    """A [len(offs_r), N_COLS] tile as two tiles: columns [0, HEAD) and, when TAIL > 0,
+    [HEAD, HEAD + TAIL) (TAIL == 0: the second is the first again, unused). Columns past
+    N_COLS read as 0. Head dims such as 72 or 96 so run as 64 + 16 or 64 + 32 columns
+    instead of one tile padded to 128 (see _ops._head_tiles)."""
+    a = load_tile(base, offs_r, tl.arange(0, HEAD), stride_r, stride_c, n_rows, N_COLS,
+                  CHECK_R, N_COLS < HEAD)  # fmt: skip
+    b = a
+    if TAIL > 0:
+        b = load_tile(base + HEAD * stride_c, offs_r, tl.arange(0, TAIL), stride_r, stride_c,
+                      n_rows, N_COLS - HEAD, CHECK_R, N_COLS - HEAD < TAIL)  # fmt: skip
+    return a, b
+
+
+@triton.jit
+def store_split(
+    base,
+    a,
+    b,
+    offs_r,
+    stride_r,
+    stride_c,
+    n_rows,
+    N_COLS: tl.constexpr,
+    HEAD: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    """Store a tile held as two column tiles (see load_split), columns below N_COLS only."""
+    store_tile(base, a, offs_r, tl.arange(0, HEAD), stride_r, stride_c, n_rows, N_COLS)
+    if TAIL > 0:
+        store_tile(base + HEAD * stride_c, b, offs_r, tl.arange(0, TAIL), stride_r, stride_c,
+                   n_rows, N_COLS - HEAD)  # fmt: skip
+
+
+@triton.jit
+def dot_split(a, a2, b, b2, acc, TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a @ b^T (+ acc) where the contraction dim is held as two column tiles (load_split)."""
+    acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+    if TAIL > 0:
+        acc = tl.dot(a2, tl.trans(b2), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, off_b, Lq, Lk, VARLEN: tl.constexpr):
     """(first query row, query length, first key, key length) of batch entry off_b.
 

@@ -45,46 +45,58 @@ _INTERPRETER = [Config(32, 16, 4, 1)]
 # head dim and dtype.
 _FALLBACKS = [Config(32, 32, 4, 1), Config(16, 16, 4, 1)]
 
-# kernel -> {bucket: config}; bucket: "fp32", or the largest head-dim tile it covers.
+# kernel -> {bucket: config}; bucket: "fp32", or the widest tile row it covers (a head dim
+# split as 64 + 16 or 64 + 32 columns is 80 or 96 wide, see _ops._head_tiles).
 # IEEE fp32 dots are FMA loops, hence the small fp32 tiles (larger ones spill heavily).
 _BEST = {
     "fwd": {
-        "fp32": Config(32, 32, 4, 1), 64: Config(64, 64, 4, 3),
+        "fp32": Config(32, 32, 4, 1), 64: Config(64, 64, 4, 3), 96: Config(128, 64, 4, 3),
         128: Config(64, 64, 4, 3), 256: Config(64, 32, 4, 2),
     },
     "fwd+jvp": {
-        "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3),
+        "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3), 96: Config(128, 64, 8, 3),
         128: Config(128, 64, 8, 2), 256: Config(64, 32, 4, 1),
     },
     "bwd_dkdv": {
-        "fp32": Config(16, 32, 4, 1), 64: Config(32, 128, 4, 3),
+        "fp32": Config(16, 32, 4, 1), 64: Config(32, 128, 4, 3), 96: Config(32, 64, 4, 3),
         128: Config(32, 64, 4, 3), 256: Config(32, 64, 4, 1),
     },
     "bwd_dq": {
         "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3, maxnreg=128),
-        128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2),
+        96: Config(64, 64, 4, 3), 128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2),
     },
 }  # fmt: skip
+# Short key ranges (Lk <= SHORT_LK, e.g. DiT at 256 px): few key blocks per program, so
+# smaller query blocks (more programs) win; measured with benchmarks/tune.py.
+SHORT_LK = 512
+_SHORT = {"fwd+jvp": {64: Config(64, 64, 4, 3)}}
 
 
-def _candidates(kernel: str, head_dim: int, dtype: torch.dtype) -> list[Config]:
+def bucket(width: int, dtype: torch.dtype) -> int | str:
+    """The _BEST key of a kernel whose widest tile row has ``width`` columns."""
+    return "fp32" if dtype == torch.float32 else next(b for b in (64, 96, 128, 256) if width <= b)
+
+
+def _candidates(kernel: str, width: int, dtype: torch.dtype, short: bool = False) -> list[Config]:
     if INTERPRET:
         return _INTERPRETER
-    bucket = "fp32" if dtype == torch.float32 else next(b for b in (64, 128, 256) if head_dim <= b)
-    return [_BEST[kernel][bucket]] + _FALLBACKS
+    key = bucket(width, dtype)
+    best = _SHORT.get(kernel, {}).get(key) if short else None
+    return [best or _BEST[kernel][key]] + _FALLBACKS
 
 
-def fwd(head_dim: int, dtype: torch.dtype, tangent: bool) -> list[Config]:
-    """Forward candidates; `tangent` means the fused JVP variant (two more accumulators)."""
-    return _candidates("fwd+jvp" if tangent else "fwd", head_dim, dtype)
+def fwd(width: int, dtype: torch.dtype, tangent: bool, short: bool) -> list[Config]:
+    """Forward candidates for tile rows of ``width`` columns; ``tangent``: the fused JVP
+    variant (more accumulators); ``short``: at most SHORT_LK keys."""
+    return _candidates("fwd+jvp" if tangent else "fwd", width, dtype, short)
 
 
-def bwd_dkdv(head_dim: int, dtype: torch.dtype) -> list[Config]:
-    return _candidates("bwd_dkdv", head_dim, dtype)
+def bwd_dkdv(width: int, dtype: torch.dtype) -> list[Config]:
+    return _candidates("bwd_dkdv", width, dtype)
 
 
-def bwd_dq(head_dim: int, dtype: torch.dtype) -> list[Config]:
-    return _candidates("bwd_dq", head_dim, dtype)
+def bwd_dq(width: int, dtype: torch.dtype) -> list[Config]:
+    return _candidates("bwd_dq", width, dtype)
 
 
 PREPROCESS_BLOCK_M = 64

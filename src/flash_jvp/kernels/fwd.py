@@ -35,25 +35,71 @@ from .common import (
     aligned,
     apply_mask,
     block_range,
+    dot_split,
     key_range,
     load_mask,
+    load_split,
     load_tile,
     score_mask,
     seq_bounds,
-    store_tile,
+    store_split,
 )
+
+
+@triton.jit
+def _attn_fwd_pv(
+    acc,
+    acc_t,
+    p,
+    p_s_t,
+    alpha,
+    d_mu,
+    v,
+    v_t_base,
+    offs_n,
+    stride_vtn,
+    stride_vtd,
+    Lk,
+    N_COLS: tl.constexpr,
+    COLS: tl.constexpr,
+    MASK: tl.constexpr,
+    TANGENT_S: tl.constexpr,
+    HAS_V_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One key block's update of the accumulators of COLS value columns (N_COLS of them
+    real): rescale by alpha, re-centre acc_t by d_mu, add P_c V + P V_t and P V."""
+    acc = acc * alpha[:, None]
+    if TANGENT_S or HAS_V_T:
+        acc_t = acc_t * alpha[:, None]
+    if TANGENT_S:
+        # Centre on the running mean mu (d_mu: how far this block moved it), re-centring
+        # what is already summed, so the products stay small when softmax is peaked.
+        acc_t -= d_mu[:, None] * acc
+        acc_t = tl.dot(p_s_t.to(v.dtype), v, acc_t, input_precision=DOT_PRECISION)
+    if HAS_V_T:
+        offs_c = tl.arange(0, COLS)
+        v_t = load_tile(v_t_base, offs_n, offs_c, stride_vtn, stride_vtd, Lk, N_COLS, MASK,
+                        N_COLS < COLS)  # fmt: skip
+        acc_t = tl.dot(p.to(v_t.dtype), v_t, acc_t, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, acc_t
 
 
 @triton.jit
 def _attn_fwd_inner(
     acc,
+    acc2,
     acc_t,
+    acc_t2,
     m_i,
     l_i,
     g_i,
     mu_i,
     q,
+    q2,
     q_t,
+    q_t2,
     offs_m,
     k_base,
     v_base,
@@ -84,7 +130,9 @@ def _attn_fwd_inner(
     D: tl.constexpr,
     DV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_TAIL: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -97,12 +145,12 @@ def _attn_fwd_inner(
     HAS_MASK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+    TANGENT_S: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_MASK_T  # the scores have a tangent
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, Lk, D, MASK, D != HEAD_DIM)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        k, k2 = load_split(k_base, offs_n, stride_kn, stride_kd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL,
+                           MASK)  # fmt: skip
+        qk = dot_split(q, q2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
         if MASK:
             keep = score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL)
             qk = tl.where(keep, qk, float("-inf"))
@@ -116,24 +164,20 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_base, offs_n, offs_dv, stride_vn, stride_vd, Lk, DV, MASK, DV != HEAD_DIM_V)
-        acc = acc * alpha[:, None]
-        if HAS_Q_T or HAS_K_T or HAS_V_T or HAS_MASK_T:
-            acc_t = acc_t * alpha[:, None]
-        if HAS_Q_T or HAS_K_T or HAS_MASK_T:
+        v, v2 = load_split(v_base, offs_n, stride_vn, stride_vd, Lk, DV, HEAD_DIM_V,
+                           HEAD_DIM_V_TAIL, MASK)  # fmt: skip
+        p_s_t = p  # P o (S_t - mu) and the move of mu, with a tangent of the scores
+        d_mu = alpha
+        if TANGENT_S:
+            if HAS_K_T:
+                k_t, k_t2 = load_split(k_t_base, offs_n, stride_ktn, stride_ktd, Lk, D, HEAD_DIM,
+                                       HEAD_DIM_TAIL, MASK)  # fmt: skip
             if HAS_Q_T:
-                s_t = tl.dot(q_t, tl.trans(k), input_precision=DOT_PRECISION)
+                s_t = dot_split(q_t, q_t2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION)
                 if HAS_K_T:
-                    k_t = load_tile(
-                        k_t_base, offs_n, offs_d, stride_ktn, stride_ktd, Lk, D, MASK,
-                        D != HEAD_DIM,
-                    )  # fmt: skip
-                    s_t = tl.dot(q, tl.trans(k_t), s_t, input_precision=DOT_PRECISION)
+                    s_t = dot_split(q, q2, k_t, k_t2, s_t, HEAD_DIM_TAIL, DOT_PRECISION)
             elif HAS_K_T:
-                k_t = load_tile(
-                    k_t_base, offs_n, offs_d, stride_ktn, stride_ktd, Lk, D, MASK, D != HEAD_DIM
-                )
-                s_t = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION)
+                s_t = dot_split(q, q2, k_t, k_t2, None, HEAD_DIM_TAIL, DOT_PRECISION)
             else:
                 s_t = tl.zeros_like(qk)
             # s_t is unscaled; t_scale enters through one FMA below and a per-row factor of g
@@ -145,21 +189,22 @@ def _attn_fwd_inner(
                                    False, False)  # fmt: skip
                 s_t = s_t * scale + mask_t.to(tl.float32)
             g_i = g_i * alpha + tl.sum(p * s_t, 1) * t_scale  # masked keys have p = 0
-            # Centre on the running mean mu = g / l, re-centring what is already summed, so
-            # the products stay small when softmax is peaked (no cancellation at the end).
-            mu_new = g_i / tl.where(l_i == 0.0, 1.0, l_i)
-            acc_t -= (mu_new - mu_i)[:, None] * acc
+            mu_new = g_i / tl.where(l_i == 0.0, 1.0, l_i)  # the running mean of S_t
             p_s_t = p * (s_t * t_scale - mu_new[:, None])
-            acc_t = tl.dot(p_s_t.to(v.dtype), v, acc_t, input_precision=DOT_PRECISION)
+            d_mu = mu_new - mu_i
             mu_i = mu_new
-        if HAS_V_T:
-            v_t = load_tile(
-                v_t_base, offs_n, offs_dv, stride_vtn, stride_vtd, Lk, DV, MASK, DV != HEAD_DIM_V
-            )
-            acc_t = tl.dot(p.to(v_t.dtype), v_t, acc_t, input_precision=DOT_PRECISION)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc, acc_t = _attn_fwd_pv(
+            acc, acc_t, p, p_s_t, alpha, d_mu, v, v_t_base, offs_n, stride_vtn, stride_vtd, Lk,
+            DV, HEAD_DIM_V, MASK, TANGENT_S, HAS_V_T, DOT_PRECISION,
+        )  # fmt: skip
+        if HEAD_DIM_V_TAIL > 0:
+            acc2, acc_t2 = _attn_fwd_pv(
+                acc2, acc_t2, p, p_s_t, alpha, d_mu, v2, v_t_base + HEAD_DIM_V * stride_vtd,
+                offs_n, stride_vtn, stride_vtd, Lk, DV - HEAD_DIM_V, HEAD_DIM_V_TAIL, MASK,
+                TANGENT_S, HAS_V_T, DOT_PRECISION,
+            )  # fmt: skip
         m_i = m_new
-    return acc, acc_t, m_i, l_i, g_i, mu_i
+    return acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i
 
 
 @triton.jit
@@ -233,7 +278,9 @@ def attn_fwd_kernel(
     D: tl.constexpr,
     DV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_TAIL: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -259,8 +306,9 @@ def attn_fwd_kernel(
     MASK_SPLIT (boolean masks): the launcher runs the kernel twice; launch 1 takes the query
     blocks whose every row sees exactly keys [lo, hi) (no mask loads: keys are bounded by hi),
     launch 2 the others; a program not of its launch's kind exits at once.
-    HEAD_DIM and HEAD_DIM_V are D and DV rounded up to a power of two (>= 16); padding
-    reads as zero. STRIDE_ALIGN divides every row stride (see common.aligned).
+    The D (DV) columns are tiled as HEAD_DIM (HEAD_DIM_V) columns, powers of two >= 16,
+    plus, when HEAD_DIM_TAIL (HEAD_DIM_V_TAIL) > 0, that many more (see common.load_split);
+    padding reads as zero. STRIDE_ALIGN divides every row stride (see common.aligned).
     """
     stride_qm, stride_qtm = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_qtm, STRIDE_ALIGN)
     stride_kn, stride_ktn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_ktn, STRIDE_ALIGN)
@@ -278,18 +326,16 @@ def attn_fwd_kernel(
     if start_m >= Lq:  # packed batches: this sequence is shorter than the longest
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
 
     q_base = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
     k_base = K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
     v_base = V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
-    q = load_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True, D != HEAD_DIM)
-    q_t = q
+    q, q2 = load_split(q_base, offs_m, stride_qm, stride_qd, Lq, D, HEAD_DIM, HEAD_DIM_TAIL, True)
+    q_t, q_t2 = q, q2
     if HAS_Q_T:
         q_t_base = Q_T + off_b * stride_qtb + off_h * stride_qth + q_start * stride_qtm
-        q_t = load_tile(
-            q_t_base, offs_m, offs_d, stride_qtm, stride_qtd, Lq, D, True, D != HEAD_DIM
-        )
+        q_t, q_t2 = load_split(q_t_base, offs_m, stride_qtm, stride_qtd, Lq, D, HEAD_DIM,
+                               HEAD_DIM_TAIL, True)  # fmt: skip
     k_t_base = K_T + off_b * stride_ktb + off_hk * stride_kth + k_start * stride_ktn
     v_t_base = V_T + off_b * stride_vtb + off_hk * stride_vth + k_start * stride_vtn
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh
@@ -301,6 +347,10 @@ def attn_fwd_kernel(
     mu_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+    acc2, acc_t2 = acc, acc_t  # the tail columns' (unused without HEAD_DIM_V_TAIL)
+    if HEAD_DIM_V_TAIL > 0:
+        acc2 = tl.zeros([BLOCK_M, HEAD_DIM_V_TAIL], dtype=tl.float32)
+        acc_t2 = tl.zeros([BLOCK_M, HEAD_DIM_V_TAIL], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     # key blocks the mask leaves this block (and whether this launch owns it)
@@ -315,29 +365,28 @@ def attn_fwd_kernel(
     for stage in tl.static_range(2):
         s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
         s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
-        acc, acc_t, m_i, l_i, g_i, mu_i = _attn_fwd_inner(
-            acc, acc_t, m_i, l_i, g_i, mu_i, q, q_t, offs_m,
+        acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i = _attn_fwd_inner(
+            acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i, q, q2, q_t, q_t2, offs_m,
             k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
             stride_kn, stride_kd, stride_vn, stride_vd,
             stride_ktn, stride_ktd, stride_vtn, stride_vtd,
             stride_mm, stride_mn, stride_mtm, stride_mtn,
             s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale, scale, mask_min,
-            D, DV, HEAD_DIM, HEAD_DIM_V, BLOCK_N, stage == 1, IS_CAUSAL,
-            LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS,
+            D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_N, stage == 1,
+            IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS,
             HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
         )  # fmt: skip
 
-    offs_dv = tl.arange(0, HEAD_DIM_V)
     inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # fully masked rows: o = 0
-    o = acc * inv_l[:, None]
     o_base = O + off_b * stride_ob + off_h * stride_oh + q_start * stride_om
-    store_tile(o_base, o.to(O.dtype.element_ty), offs_m, offs_dv, stride_om, stride_od, Lq, DV)
+    o_ty = O.dtype.element_ty
+    store_split(o_base, (acc * inv_l[:, None]).to(o_ty), (acc2 * inv_l[:, None]).to(o_ty),
+                offs_m, stride_om, stride_od, Lq, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL)  # fmt: skip
     lse = (m_i + tl.math.log2(l_i)) * LN2
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + q_start + offs_m
     tl.store(lse_ptrs, lse, mask=offs_m < Lq)
     if TANGENT:
-        o_t = acc_t * inv_l[:, None]
         o_t_base = O_T + off_b * stride_otb + off_h * stride_oth + q_start * stride_otm
-        store_tile(
-            o_t_base, o_t.to(O_T.dtype.element_ty), offs_m, offs_dv, stride_otm, stride_otd, Lq, DV
-        )
+        store_split(o_t_base, (acc_t * inv_l[:, None]).to(o_ty),
+                    (acc_t2 * inv_l[:, None]).to(o_ty), offs_m, stride_otm, stride_otd, Lq, DV,
+                    HEAD_DIM_V, HEAD_DIM_V_TAIL)  # fmt: skip
