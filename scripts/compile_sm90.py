@@ -23,6 +23,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flash_jvp import _ops
 from flash_jvp._utils import Spec
@@ -43,21 +44,24 @@ class _Recorder:
     def __getitem__(self, grid):
         return lambda **args: self.calls.append((self.kernel, None, args))
 
-    def __call__(self, kernel, grid, candidates, key, **args):
-        self.calls.append((kernel, candidates[0], args))
+    def __call__(self, kernel, grid, candidates, key, cfg_args=lambda cfg: {}, **args):
+        self.calls.append((kernel, candidates[0], {**args, **cfg_args(candidates[0])}))
 
 
 def record(problem) -> list:
     """The launches (kernel, config, arguments) of one fwd+JVP and one backward."""
     calls = []
-    saved = (_ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel)
+    saved = (_ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel,
+             _ops._tma_capable)  # fmt: skip
     _ops._launch = _Recorder(calls)
+    _ops._tma_capable = lambda device: True  # as on sm_90
     _ops.attn_bwd_preprocess_kernel = _Recorder([])
     _ops.mask_ranges_kernel = _Recorder(calls, saved[2])
     try:
         problem()
     finally:
-        _ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel = saved
+        (_ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel,
+         _ops._tma_capable) = saved  # fmt: skip
     return calls
 
 
@@ -67,6 +71,9 @@ def compile_launch(kernel, cfg, args) -> str:
         val = cfg.kwargs()[p.name] if cfg is not None and p.name in cfg.kwargs() else args[p.name]
         if p.is_constexpr:
             sig[p.name], consts[p.name] = "constexpr", val
+        elif isinstance(val, TensorDescriptor):
+            block = ",".join(map(str, val.block_shape))
+            sig[p.name] = f"tensordesc<{POINTER[val.base.dtype][1:]}[{block}]>"
         elif isinstance(val, torch.Tensor):
             sig[p.name], attrs[(i,)] = POINTER[val.dtype], [["tt.divisibility", 16]]
         elif isinstance(val, float):

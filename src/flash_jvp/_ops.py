@@ -7,12 +7,14 @@ They take and return plain tensors with any strides: dense (B, H, L, E), or pack
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._utils import MAX_GRID_Y, Spec
 from .kernels import configs
@@ -220,9 +222,15 @@ def _mask_args(
 
 
 def _launch(
-    kernel, grid: Callable[[Config], tuple[int, ...]], candidates: list[Config], key: tuple, **args
+    kernel,
+    grid: Callable[[Config], tuple[int, ...]],
+    candidates: list[Config],
+    key: tuple,
+    cfg_args: Callable[[Config], dict] = lambda cfg: {},
+    **args,
 ) -> None:
-    """Launch with the first candidate that fits the GPU; remember it for this key."""
+    """Launch with the first candidate that fits the GPU; remember it for this key.
+    ``cfg_args``: the arguments that depend on the config (tensor descriptors' blocks)."""
     batch_heads = grid(candidates[0])[1]  # _validate checks it too; vmap folds more in here
     if batch_heads > MAX_GRID_Y:
         raise NotImplementedError(
@@ -231,12 +239,12 @@ def _launch(
         )
     chosen = _CHOSEN.get(key)
     if chosen is not None:
-        kernel[grid(chosen)](**args, **chosen.kwargs())
+        kernel[grid(chosen)](**args, **cfg_args(chosen), **chosen.kwargs())
         return
     errors = []
     for cfg in candidates:
         try:
-            kernel[grid(cfg)](**args, **cfg.kwargs())
+            kernel[grid(cfg)](**args, **cfg_args(cfg), **cfg.kwargs())
         except OutOfResources as err:
             errors.append(f"{cfg}: {err}")
             continue
@@ -246,6 +254,51 @@ def _launch(
         f"flash_jvp: no launch configuration of {kernel.fn.__name__} fits this GPU for {key}: "
         + "; ".join(errors)
     )
+
+
+# The head-dim tile the descriptor path of the fwd+JVP kernel runs for: measured on the H200
+# (benchmarks/NOTES.md, "Tensor descriptors") 1.16x faster at E=128 and slower at E=64.
+TMA_HEAD_DIM = 128
+
+
+@functools.cache
+def _tma_capable(device: torch.device) -> bool:
+    """Hopper (sm_90), where the kernels can read tiles through tensor descriptors (TMA)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _tma_strides(x: Tensor) -> list[int] | None:
+    """The strides of a (B, H, L, E) tensor as a tensor descriptor takes them (16-byte
+    aligned base and strides, unit column stride; a size-1 dim's stride is never used, so
+    any aligned one does), or None if it cannot be described."""
+    align = 16 // x.element_size()
+    if x.stride(3) != 1 or x.data_ptr() % 16:
+        return None
+    strides = [st if n > 1 else align for st, n in zip(x.stride()[:3], x.shape[:3])]
+    return strides + [1] if all(st > 0 and st % align == 0 for st in strides) else None
+
+
+def _tma_descs(
+    tiles: dict[str, int], short: bool, spec: Spec, **keys: Tensor | None
+) -> Callable[[Config], dict] | None:
+    """For the fwd+JVP kernel on Hopper, dense problems of one 128-column tile over more than
+    SHORT_LK keys (where it was measured faster): the descriptors of K, V and their tangents
+    (``keys``: K_DESC=k, ...; absent ones pass through) as a function of the config; else None.
+    """
+    if (spec.varlen or short or not _tma_capable(keys["K_DESC"].device)
+            or keys["K_DESC"].dtype not in (torch.float16, torch.bfloat16)
+            or tuple(tiles.values()) != (TMA_HEAD_DIM, 0, TMA_HEAD_DIM, 0)):  # fmt: skip
+        return None
+    strides = {name: _tma_strides(x) for name, x in keys.items() if x is not None}
+    if any(st is None for st in strides.values()):
+        return None
+
+    def descs(cfg: Config) -> dict:
+        block = [1, 1, cfg.BLOCK_N, TMA_HEAD_DIM]
+        return {name: TensorDescriptor(x, list(x.shape), strides[name], block)
+                if x is not None else keys["K_DESC"] for name, x in keys.items()}  # fmt: skip
+
+    return descs
 
 
 def attn_fwd(
@@ -289,6 +342,10 @@ def attn_fwd(
         _view(x, spec, lay.B) for x in (q, k, v, o, q_t, k_t, v_t, o_t)
     )
     width, short = _tile_width(tiles), lay.Lk <= configs.SHORT_LK
+    descs = None
+    if tangent:
+        descs = _tma_descs(tiles, short, spec, K_DESC=k4, V_DESC=v4, K_T_DESC=k_t4, V_T_DESC=v_t4)
+    flags["TMA"] = descs is not None
     key = ("fwd", tuple(tiles.values()), short, q.dtype, tuple(flags.values()), q.device.index)
     args = dict(
         Q=q4, K=k4, V=v4, O=o4, LSE=lse,
@@ -310,6 +367,7 @@ def attn_fwd(
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
             configs.fwd(width, q.dtype, tangent, short),
             key + (split,),
+            descs or (lambda cfg: dict(K_DESC=k4, V_DESC=v4, K_T_DESC=k4, V_T_DESC=v4)),
             MASK_SPLIT=split,
             **args,
         )

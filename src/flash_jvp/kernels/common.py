@@ -85,6 +85,37 @@ def load_split(
 
 
 @triton.jit
+def load_keys(
+    desc,
+    base,
+    off_b,
+    off_h,
+    start_n,
+    offs_n,
+    stride_r,
+    stride_c,
+    n_rows,
+    N_COLS: tl.constexpr,
+    HEAD: tl.constexpr,
+    TAIL: tl.constexpr,
+    CHECK_R: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """load_split of key rows offs_n = start_n + arange; with TMA through ``desc``, a tensor
+    descriptor of the (B, H, L, E) tensor whose block is one [len(offs_n), HEAD] tile (the
+    launcher gives them for single tiles only): Hopper's copy engine moves the tile to shared
+    memory, asynchronously and with no address registers; rows and columns past the
+    tensor's shape read as 0, as the masked pointer loads do."""
+    if TMA:
+        coords = [off_b.to(tl.int32), off_h.to(tl.int32), start_n, 0]  # TMA takes 32-bit
+        a = desc.load(coords).reshape(offs_n.shape[0], HEAD)
+        b = a
+    else:
+        a, b = load_split(base, offs_n, stride_r, stride_c, n_rows, N_COLS, HEAD, TAIL, CHECK_R)
+    return a, b
+
+
+@triton.jit
 def store_split(
     base,
     a,

@@ -37,9 +37,9 @@ from .common import (
     block_range,
     dot_split,
     key_range,
+    load_keys,
     load_mask,
     load_split,
-    load_tile,
     score_mask,
     seq_bounds,
     store_split,
@@ -55,7 +55,11 @@ def _attn_fwd_pv(
     alpha,
     d_mu,
     v,
+    v_t_desc,
     v_t_base,
+    off_b,
+    off_hk,
+    start_n,
     offs_n,
     stride_vtn,
     stride_vtd,
@@ -66,6 +70,7 @@ def _attn_fwd_pv(
     TANGENT_S: tl.constexpr,
     HAS_V_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One key block's update of the accumulators of COLS value columns (N_COLS of them
     real): rescale by alpha, re-centre acc_t by d_mu, add P_c V + P V_t and P V."""
@@ -78,9 +83,8 @@ def _attn_fwd_pv(
         acc_t -= d_mu[:, None] * acc
         acc_t = tl.dot(p_s_t.to(v.dtype), v, acc_t, input_precision=DOT_PRECISION)
     if HAS_V_T:
-        offs_c = tl.arange(0, COLS)
-        v_t = load_tile(v_t_base, offs_n, offs_c, stride_vtn, stride_vtd, Lk, N_COLS, MASK,
-                        N_COLS < COLS)  # fmt: skip
+        v_t, _ = load_keys(v_t_desc, v_t_base, off_b, off_hk, start_n, offs_n,
+                           stride_vtn, stride_vtd, Lk, N_COLS, COLS, 0, MASK, TMA)  # fmt: skip
         acc_t = tl.dot(p.to(v_t.dtype), v_t, acc_t, input_precision=DOT_PRECISION)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, acc_t
@@ -101,6 +105,12 @@ def _attn_fwd_inner(
     q_t,
     q_t2,
     offs_m,
+    k_desc,
+    v_desc,
+    k_t_desc,
+    v_t_desc,
+    off_b,
+    off_hk,
     k_base,
     v_base,
     k_t_base,
@@ -144,12 +154,13 @@ def _attn_fwd_inner(
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     TANGENT_S: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_MASK_T  # the scores have a tangent
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, k2 = load_split(k_base, offs_n, stride_kn, stride_kd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL,
-                           MASK)  # fmt: skip
+        k, k2 = load_keys(k_desc, k_base, off_b, off_hk, start_n, offs_n, stride_kn, stride_kd,
+                          Lk, D, HEAD_DIM, HEAD_DIM_TAIL, MASK, TMA)  # fmt: skip
         qk = dot_split(q, q2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
         if MASK:
             keep = score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL)
@@ -164,14 +175,15 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v, v2 = load_split(v_base, offs_n, stride_vn, stride_vd, Lk, DV, HEAD_DIM_V,
-                           HEAD_DIM_V_TAIL, MASK)  # fmt: skip
+        v, v2 = load_keys(v_desc, v_base, off_b, off_hk, start_n, offs_n, stride_vn, stride_vd,
+                          Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL, MASK, TMA)  # fmt: skip
         p_s_t = p  # P o (S_t - mu) and the move of mu, with a tangent of the scores
         d_mu = alpha
         if TANGENT_S:
             if HAS_K_T:
-                k_t, k_t2 = load_split(k_t_base, offs_n, stride_ktn, stride_ktd, Lk, D, HEAD_DIM,
-                                       HEAD_DIM_TAIL, MASK)  # fmt: skip
+                k_t, k_t2 = load_keys(k_t_desc, k_t_base, off_b, off_hk, start_n, offs_n,
+                                      stride_ktn, stride_ktd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL,
+                                      MASK, TMA)  # fmt: skip
             if HAS_Q_T:
                 s_t = dot_split(q_t, q_t2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION)
                 if HAS_K_T:
@@ -194,14 +206,16 @@ def _attn_fwd_inner(
             d_mu = mu_new - mu_i
             mu_i = mu_new
         acc, acc_t = _attn_fwd_pv(
-            acc, acc_t, p, p_s_t, alpha, d_mu, v, v_t_base, offs_n, stride_vtn, stride_vtd, Lk,
-            DV, HEAD_DIM_V, MASK, TANGENT_S, HAS_V_T, DOT_PRECISION,
+            acc, acc_t, p, p_s_t, alpha, d_mu, v, v_t_desc, v_t_base, off_b, off_hk, start_n,
+            offs_n, stride_vtn, stride_vtd, Lk, DV, HEAD_DIM_V, MASK, TANGENT_S, HAS_V_T,
+            DOT_PRECISION, TMA,
         )  # fmt: skip
-        if HEAD_DIM_V_TAIL > 0:
+        if HEAD_DIM_V_TAIL > 0:  # never with TMA (single tiles only)
             acc2, acc_t2 = _attn_fwd_pv(
-                acc2, acc_t2, p, p_s_t, alpha, d_mu, v2, v_t_base + HEAD_DIM_V * stride_vtd,
-                offs_n, stride_vtn, stride_vtd, Lk, DV - HEAD_DIM_V, HEAD_DIM_V_TAIL, MASK,
-                TANGENT_S, HAS_V_T, DOT_PRECISION,
+                acc2, acc_t2, p, p_s_t, alpha, d_mu, v2, v_t_desc,
+                v_t_base + HEAD_DIM_V * stride_vtd, off_b, off_hk, start_n, offs_n, stride_vtn,
+                stride_vtd, Lk, DV - HEAD_DIM_V, HEAD_DIM_V_TAIL, MASK, TANGENT_S, HAS_V_T,
+                DOT_PRECISION, False,
             )  # fmt: skip
         m_i = m_new
     return acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i
@@ -218,6 +232,10 @@ def attn_fwd_kernel(
     K_T,
     V_T,
     O_T,
+    K_DESC,
+    V_DESC,
+    K_T_DESC,
+    V_T_DESC,
     MASK,
     MASK_T,
     KV_RANGES,
@@ -295,6 +313,7 @@ def attn_fwd_kernel(
     HAS_MASK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """o = softmax(scale * q k^T [+ mask]) v and lse for one [BLOCK_M] query block; o_t too
     if tangents.
@@ -309,6 +328,9 @@ def attn_fwd_kernel(
     The D (DV) columns are tiled as HEAD_DIM (HEAD_DIM_V) columns, powers of two >= 16,
     plus, when HEAD_DIM_TAIL (HEAD_DIM_V_TAIL) > 0, that many more (see common.load_split);
     padding reads as zero. STRIDE_ALIGN divides every row stride (see common.aligned).
+    TMA: K, V and their tangents are read through the tensor descriptors *_DESC (4-D, as
+    the tensors, one [BLOCK_N, HEAD_DIM] tile per block; see common.load_keys) instead of
+    pointers; dense problems with single head-dim tiles only.
     """
     stride_qm, stride_qtm = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_qtm, STRIDE_ALIGN)
     stride_kn, stride_ktn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_ktn, STRIDE_ALIGN)
@@ -367,6 +389,7 @@ def attn_fwd_kernel(
         s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
         acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i = _attn_fwd_inner(
             acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i, q, q2, q_t, q_t2, offs_m,
+            K_DESC, V_DESC, K_T_DESC, V_T_DESC, off_b, off_hk,
             k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base,
             stride_kn, stride_kd, stride_vn, stride_vd,
             stride_ktn, stride_ktd, stride_vtn, stride_vtd,
@@ -374,7 +397,7 @@ def attn_fwd_kernel(
             s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale, scale, mask_min,
             D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_N, stage == 1,
             IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS,
-            HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION,
+            HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION, TMA,
         )  # fmt: skip
 
     inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # fully masked rows: o = 0

@@ -1,0 +1,99 @@
+"""The fwd+JVP kernel's tensor-descriptor (TMA) path: taken where the launcher takes it, right in
+every case it serves, and not taken (pointer path) where a tensor cannot be described.
+
+On the GPU this runs on Hopper only (the path's hardware). On the CPU the interpreter runs the
+same kernel code through its own tensor descriptors, with the launcher told the device is
+Hopper and short key ranges not counted as short.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CUDA, DEVICE, assert_matches_reference, needs_kernels, qkv
+
+import flash_jvp
+from flash_jvp import _ops
+from flash_jvp.kernels import configs
+
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [
+    needs_kernels,
+    pytest.mark.skipif(CUDA and not HOPPER, reason="tensor descriptors serve Hopper only"),
+]
+L = 600 if CUDA else 77  # more keys than configs.SHORT_LK on the GPU
+DTYPE = torch.bfloat16 if CUDA else torch.float16
+
+
+@pytest.fixture
+def tma_seen(monkeypatch) -> list[bool]:
+    """The TMA switch of every fwd+JVP launch (the primal forward and backward never take it)."""
+    if not CUDA:
+        monkeypatch.setattr(_ops, "_tma_capable", lambda device: True)
+        monkeypatch.setattr(configs, "SHORT_LK", 0)
+    seen: list[bool] = []
+    launch = _ops._launch
+
+    def spy(kernel, grid, candidates, key, cfg_args=lambda cfg: {}, **args):
+        if args.get("HAS_Q_T") or args.get("HAS_K_T") or args.get("HAS_V_T"):
+            seen.append(args["TMA"])
+        return launch(kernel, grid, candidates, key, cfg_args, **args)
+
+    monkeypatch.setattr(_ops, "_launch", spy)
+    return seen
+
+
+def _bhle(x: torch.Tensor) -> torch.Tensor:
+    """The same values as a (B, L, H, E) tensor seen as (B, H, L, E) (projection layout)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "gqa_causal_bool", "additive", "bhle", "e112", "bottom_right"]
+)
+def test_descriptor_path(tma_seen, case):
+    E = 112 if case == "e112" else 128  # 112: one 128-column tile, 16 padding columns
+    Hkv = 1 if case == "gqa_causal_bool" else 2
+    Lq = L // 2 if case == "bottom_right" else L
+    q, k, v, tangents, do = qkv(2, 2, Hkv, Lq, L, E, dtype=DTYPE)
+    kwargs = {}
+    if case == "gqa_causal_bool":
+        mask = torch.rand(2, 1, L, L, device=DEVICE) > 0.3
+        mask[:, :, 5] = False  # a fully masked row: zeros
+        kwargs = dict(attn_mask=mask, is_causal=False, enable_gqa=True)
+    elif case == "additive":
+        kwargs = dict(attn_mask=torch.randn(1, 2, L, L, device=DEVICE, dtype=DTYPE))
+    elif case == "bhle":
+        q, k, v, do = (_bhle(x) for x in (q, k, v, do))
+        tangents = tuple(_bhle(x) for x in tangents)
+        kwargs = dict(is_causal=True)
+    elif case == "bottom_right":
+        from torch.nn.attention.bias import causal_lower_right
+
+        kwargs = dict(attn_mask=causal_lower_right(Lq, L))
+    assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, **kwargs)
+    assert tma_seen and all(tma_seen), tma_seen
+
+
+@pytest.mark.parametrize("case", ["unaligned_rows", "fp32", "split_tiles", "varlen"])
+def test_pointer_path_where_no_descriptor(tma_seen, case):
+    """Row strides that are not 16-byte multiples, fp32, split head-dim tiles (96 = 64 + 32)
+    and packed batches take the pointer loads, with the same results."""
+    E = 96 if case == "split_tiles" else 128
+    dtype = torch.float32 if case == "fp32" else DTYPE
+    q, k, v, tangents, do = qkv(1, 2, 2, L, L, E, dtype=dtype)
+    if case == "unaligned_rows":  # rows 132 elements apart: 264 bytes
+        k = torch.cat([k, k[..., :4]], dim=-1)[..., :E]
+    if case == "varlen":
+        lens = torch.tensor([0, L // 3, L], dtype=torch.int32, device=DEVICE)
+        packed = [x[0].transpose(0, 1) for x in (q, k, v)]
+        packed_t = [x[0].transpose(0, 1) for x in tangents]
+
+        def fn(q, k, v):
+            return flash_jvp.varlen_attention(q, k, v, lens, lens, L, L)
+
+        _, o_t = torch.func.jvp(fn, tuple(packed), tuple(packed_t))
+        assert torch.isfinite(o_t).all()
+    else:
+        assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do)
+    assert tma_seen and not any(tma_seen), tma_seen
