@@ -283,7 +283,8 @@ def _tma_descs(
 ) -> Callable[[Config], dict] | None:
     """For the fwd+JVP kernel on Hopper, dense problems of one 128-column tile over more than
     SHORT_LK keys (where it was measured faster): the descriptors of K, V and their tangents
-    (``keys``: K_DESC=k, ...; absent ones pass through) as a function of the config; else None.
+    (``keys``: K_DESC=k, ...) as a function of the config, an absent tangent's slot holding k
+    (never read); else None.
     """
     if (spec.varlen or short or not _tma_capable(keys["K_DESC"].device)
             or keys["K_DESC"].dtype not in (torch.float16, torch.bfloat16)
