@@ -1,12 +1,15 @@
-"""The fwd+JVP kernel's tensor-descriptor (TMA) path: taken where the launcher takes it, right in
-every case it serves, and not taken (pointer path) where a tensor cannot be described.
+"""The forward kernel's tensor-descriptor (TMA) path: taken where the launcher takes it, right
+in every case it serves, and not taken (pointer path) where a tensor cannot be described.
 
-On the GPU this runs on Hopper only (the path's hardware). On the CPU the interpreter runs the
-same kernel code through its own tensor descriptors, with the launcher told the device is
-Hopper and short key ranges not counted as short.
+On the GPU this runs on Hopper only (the path's hardware), with every forward config switched
+to descriptors (the shipped configs use them only where measured faster, see configs.py). On
+the CPU the interpreter runs the same kernel code through its own tensor descriptors, with the
+launcher told the device is Hopper and short key ranges not counted as short.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from helpers import CUDA, DEVICE, assert_matches_reference, needs_kernels, qkv
 import flash_jvp
 from flash_jvp import _ops
 from flash_jvp.kernels import configs
+from flash_jvp.kernels.fwd import attn_fwd_kernel
 
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [
@@ -26,17 +30,22 @@ DTYPE = torch.bfloat16 if CUDA else torch.float16
 
 
 @pytest.fixture
-def tma_seen(monkeypatch) -> list[bool]:
-    """The TMA switch of every fwd+JVP launch (the primal forward and backward never take it)."""
+def tma_seen(monkeypatch) -> list[tuple[bool, bool]]:
+    """(tangent, TMA) of every forward launch, every forward config asking for descriptors."""
     if not CUDA:
         monkeypatch.setattr(_ops, "_tma_capable", lambda device: True)
         monkeypatch.setattr(configs, "SHORT_LK", 0)
-    seen: list[bool] = []
+    candidates = configs._candidates
+    monkeypatch.setattr(configs, "_candidates", lambda *a, **kw: [
+        dataclasses.replace(c, tma=True) for c in candidates(*a, **kw)])  # fmt: skip
+    monkeypatch.setattr(_ops, "_CHOSEN", {})  # no config chosen outside this test
+    seen: list[tuple[bool, bool]] = []
     launch = _ops._launch
 
     def spy(kernel, grid, candidates, key, cfg_args=lambda cfg: {}, **args):
-        if args.get("HAS_Q_T") or args.get("HAS_K_T") or args.get("HAS_V_T"):
-            seen.append(args["TMA"])
+        if kernel is attn_fwd_kernel:
+            tangent = any(args[f"HAS_{x}_T"] for x in ("Q", "K", "V", "MASK"))
+            seen.append((tangent, cfg_args(candidates[0])["TMA"]))
         return launch(kernel, grid, candidates, key, cfg_args, **args)
 
     monkeypatch.setattr(_ops, "_launch", spy)
@@ -49,10 +58,12 @@ def _bhle(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "case", ["plain", "gqa_causal_bool", "additive", "bhle", "e112", "bottom_right"]
+    "case", ["plain", "gqa_causal_bool", "additive", "bhle", "e16", "e64", "e112", "bottom_right"]
 )
 def test_descriptor_path(tma_seen, case):
-    E = 112 if case == "e112" else 128  # 112: one 128-column tile, 16 padding columns
+    """fwd+JVP and the primal forward (under the gradient) through descriptors; 112: one
+    128-column tile, 16 padding columns."""
+    E = int(case[1:]) if case[0] == "e" else 128
     Hkv = 1 if case == "gqa_causal_bool" else 2
     Lq = L // 2 if case == "bottom_right" else L
     q, k, v, tangents, do = qkv(2, 2, Hkv, Lq, L, E, dtype=DTYPE)
@@ -72,7 +83,8 @@ def test_descriptor_path(tma_seen, case):
 
         kwargs = dict(attn_mask=causal_lower_right(Lq, L))
     assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, **kwargs)
-    assert tma_seen and all(tma_seen), tma_seen
+    assert {tangent for tangent, _ in tma_seen} == {False, True}, tma_seen
+    assert all(tma for _, tma in tma_seen), tma_seen
 
 
 @pytest.mark.parametrize("case", ["unaligned_rows", "fp32", "split_tiles", "varlen"])
@@ -96,4 +108,31 @@ def test_pointer_path_where_no_descriptor(tma_seen, case):
         assert torch.isfinite(o_t).all()
     else:
         assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do)
-    assert tma_seen and not any(tma_seen), tma_seen
+    assert tma_seen and not any(tma for _, tma in tma_seen), tma_seen
+
+
+def test_nan_past_key_padding(tma_seen):
+    """Keys past a key-padding mask's range are never read into a result, even when NaN:
+    o and o_t equal those of the same inputs with zeros there, bit for bit (the descriptor
+    loads copy whole tiles, so the rows past the range are zeroed in the kernel)."""
+    q, k, v, tangents, do = qkv(2, 2, 2, L, L, 128, dtype=DTYPE)
+    n = L - 21  # the range ends inside a key block
+    mask = (torch.arange(L, device=DEVICE) < n).expand(1, 1, L, L)
+    clean = [x.clone() for x in (q, k, v, *tangents)]
+    for x in clean[1:3] + clean[4:]:
+        x[:, :, n:] = 0
+    poisoned = [x.clone() for x in clean]
+    for x in poisoned[1:3] + poisoned[4:]:
+        x[:, :, n:] = float("nan")
+    outs = [
+        torch.func.jvp(
+            lambda q, k, v: flash_jvp.attention(q, k, v, attn_mask=mask),
+            tuple(xs[:3]),
+            tuple(xs[3:]),
+        )  # fmt: skip
+        for xs in (clean, poisoned)
+    ]
+    for name, a, b in zip(("o", "o_t"), *outs):
+        assert torch.equal(a, b), f"{name} differs when the keys past the padding are NaN"
+    assert_matches_reference(flash_jvp.attention, *clean[:3], tuple(clean[3:]), do, attn_mask=mask)
+    assert all(tma for _, tma in tma_seen), tma_seen

@@ -256,11 +256,6 @@ def _launch(
     )
 
 
-# The head-dim tile the descriptor path of the fwd+JVP kernel runs for: measured on the H200
-# (benchmarks/NOTES.md, "Tensor descriptors") 1.16x faster at E=128 and slower at E=64.
-TMA_HEAD_DIM = 128
-
-
 @functools.cache
 def _tma_capable(device: torch.device) -> bool:
     """Hopper (sm_90), where the kernels can read tiles through tensor descriptors (TMA)."""
@@ -278,28 +273,30 @@ def _tma_strides(x: Tensor) -> list[int] | None:
     return strides + [1] if all(st > 0 and st % align == 0 for st in strides) else None
 
 
-def _tma_descs(
-    tiles: dict[str, int], short: bool, spec: Spec, **keys: Tensor | None
-) -> Callable[[Config], dict] | None:
-    """For the fwd+JVP kernel on Hopper, dense problems of one 128-column tile over more than
-    SHORT_LK keys (where it was measured faster): the descriptors of K, V and their tangents
-    (``keys``: K_DESC=k, ...) as a function of the config, an absent tangent's slot holding k
-    (never read); else None.
-    """
-    if (spec.varlen or short or not _tma_capable(keys["K_DESC"].device)
-            or keys["K_DESC"].dtype not in (torch.float16, torch.bfloat16)
-            or tuple(tiles.values()) != (TMA_HEAD_DIM, 0, TMA_HEAD_DIM, 0)):  # fmt: skip
-        return None
-    strides = {name: _tma_strides(x) for name, x in keys.items() if x is not None}
-    if any(st is None for st in strides.values()):
-        return None
+def _key_args(tiles: dict[str, int], spec: Spec, **keys: Tensor | None) -> Callable[[Config], dict]:
+    """The forward kernel's config-dependent arguments: TMA and the descriptors K_DESC,
+    V_DESC, K_T_DESC, V_T_DESC of ``keys`` (k, v and their tangents, None if absent). A
+    config with ``tma`` gets descriptors, one [BLOCK_N, head-dim tile] block each, where
+    Hopper can describe every tensor: dense, fp16/bf16, single head-dim tiles, aligned
+    strides. Otherwise (and in an absent tensor's slot) a pointer stands in, never read."""
+    k = keys["K_DESC"]
+    pointers = dict(TMA=False, **{name: k for name in keys})
 
-    def descs(cfg: Config) -> dict:
-        block = [1, 1, cfg.BLOCK_N, TMA_HEAD_DIM]
-        return {name: TensorDescriptor(x, list(x.shape), strides[name], block)
-                if x is not None else keys["K_DESC"] for name, x in keys.items()}  # fmt: skip
+    def args(cfg: Config) -> dict:
+        if (not cfg.tma or spec.varlen or tiles["HEAD_DIM_TAIL"] or tiles["HEAD_DIM_V_TAIL"]
+                or k.dtype not in (torch.float16, torch.bfloat16)
+                or not _tma_capable(k.device)):  # fmt: skip
+            return pointers
+        strides = {name: _tma_strides(x) for name, x in keys.items() if x is not None}
+        if any(st is None for st in strides.values()):
+            return pointers
+        cols = {"K": tiles["HEAD_DIM"], "V": tiles["HEAD_DIM_V"]}
+        descs = {name: TensorDescriptor(x, list(x.shape), strides[name],
+                                        [1, 1, cfg.BLOCK_N, cols[name[0]]])
+                 for name, x in keys.items() if x is not None}  # fmt: skip
+        return {**pointers, **descs, "TMA": True}
 
-    return descs
+    return args
 
 
 def attn_fwd(
@@ -343,10 +340,7 @@ def attn_fwd(
         _view(x, spec, lay.B) for x in (q, k, v, o, q_t, k_t, v_t, o_t)
     )
     width, short = _tile_width(tiles), lay.Lk <= configs.SHORT_LK
-    descs = None
-    if tangent:
-        descs = _tma_descs(tiles, short, spec, K_DESC=k4, V_DESC=v4, K_T_DESC=k_t4, V_T_DESC=v_t4)
-    flags["TMA"] = descs is not None
+    key_args = _key_args(tiles, spec, K_DESC=k4, V_DESC=v4, K_T_DESC=k_t4, V_T_DESC=v_t4)
     key = ("fwd", tuple(tiles.values()), short, q.dtype, tuple(flags.values()), q.device.index)
     args = dict(
         Q=q4, K=k4, V=v4, O=o4, LSE=lse,
@@ -368,7 +362,7 @@ def attn_fwd(
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
             configs.fwd(width, q.dtype, tangent, short),
             key + (split,),
-            descs or (lambda cfg: dict(K_DESC=k4, V_DESC=v4, K_T_DESC=k4, V_T_DESC=v4)),
+            key_args,
             MASK_SPLIT=split,
             **args,
         )

@@ -249,22 +249,26 @@ def host_overhead(calls: int = 200) -> dict[str, float]:
     Python, torch's autograd/torch.func machinery and the kernel launches."""
     import time
 
-    s = Shape(1, 1, 128, 64, False)
-    out = {}
-    for method, mode, factory in METHODS:
-        fn = factory(s)
+    def per_call(fn) -> float:
         try:
             for _ in range(20):
                 fn()
         except RuntimeError:  # an SDPA backend without a kernel here
-            out[f"{method} {mode}"] = math.nan
-            continue
+            return math.nan
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-        out[f"{method} {mode}"] = (time.perf_counter() - start) / calls * 1e6
+        return (time.perf_counter() - start) / calls * 1e6
+
+    s = Shape(1, 1, 128, 64, False)
+    out = {f"{method} {mode}": per_call(factory(s)) for method, mode, factory in METHODS}
+    # The floor of any kernel behind torch.func.jvp: the transform's own work per call.
+    q, k, _, tangents, _ = _tensors(s, False)
+    out["torch.func.jvp of q * k (floor)"] = per_call(
+        lambda: torch.func.jvp(torch.mul, (q, k), tangents[:2])
+    )
     return out
 
 

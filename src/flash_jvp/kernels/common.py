@@ -104,11 +104,15 @@ def load_keys(
     """load_split of key rows offs_n = start_n + arange; with TMA through ``desc``, a tensor
     descriptor of the (B, H, L, E) tensor whose block is one [len(offs_n), HEAD] tile (the
     launcher gives them for single tiles only): Hopper's copy engine moves the tile to shared
-    memory, asynchronously and with no address registers; rows and columns past the
-    tensor's shape read as 0, as the masked pointer loads do."""
+    memory, asynchronously and with no address registers. Either way rows from n_rows on
+    (with CHECK_R) and columns past N_COLS read as 0: the copy engine zero-fills past the
+    tensor's shape, and rows between n_rows (the end of a mask's key range) and the shape
+    are zeroed here, so values there (NaN in padding) never meet a zero weight."""
     if TMA:
         coords = [off_b.to(tl.int32), off_h.to(tl.int32), start_n, 0]  # TMA takes 32-bit
         a = desc.load(coords).reshape(offs_n.shape[0], HEAD)
+        if CHECK_R:
+            a = tl.where(offs_n[:, None] < n_rows, a, 0.0)
         b = a
     else:
         a, b = load_split(base, offs_n, stride_r, stride_c, n_rows, N_COLS, HEAD, TAIL, CHECK_R)

@@ -28,6 +28,9 @@ class Config:
     # Register cap per thread (ptxas .maxnreg); None lets ptxas choose. Used where a kernel
     # sits just above an occupancy step (e.g. 8 warps at > 128 registers: 1 block per SM).
     maxnreg: int | None = None
+    # Read key/value tiles through tensor descriptors (TMA) where the launcher can describe
+    # the tensors (Hopper, dense, one head-dim tile; see _ops._key_args); forward kernel only.
+    tma: bool = False
 
     def kwargs(self) -> dict[str, int]:
         extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
@@ -40,7 +43,8 @@ class Config:
         }
 
 
-_INTERPRETER = [Config(32, 16, 4, 1)]
+# tma: CPU tests fake a Hopper device to run the descriptor path through the interpreter.
+_INTERPRETER = [Config(32, 16, 4, 1, tma=True)]
 # Ever smaller tiles, tried only if the chosen one does not fit; the last fits any supported
 # head dim and dtype.
 _FALLBACKS = [Config(32, 32, 4, 1), Config(16, 16, 4, 1)]
@@ -55,7 +59,7 @@ _BEST = {
     },
     "fwd+jvp": {
         "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3), 96: Config(128, 64, 8, 3),
-        128: Config(128, 64, 8, 2), 256: Config(64, 32, 4, 1),
+        128: Config(128, 64, 8, 2, tma=True), 256: Config(64, 32, 4, 1),
     },
     "bwd_dkdv": {
         "fp32": Config(16, 32, 4, 1), 64: Config(32, 128, 4, 3), 96: Config(32, 64, 4, 3),
@@ -69,7 +73,7 @@ _BEST = {
 # Short key ranges (Lk <= SHORT_LK, e.g. DiT at 256 px): few key blocks per program, so
 # smaller query blocks (more programs) win; measured with benchmarks/tune.py.
 SHORT_LK = 512
-_SHORT = {"fwd+jvp": {64: Config(64, 64, 4, 3)}}
+_SHORT = {"fwd+jvp": {64: Config(64, 64, 4, 3), 128: Config(128, 64, 8, 2)}}
 
 
 def bucket(width: int, dtype: torch.dtype) -> int | str:
