@@ -107,7 +107,8 @@ def load_keys(
     memory, asynchronously and with no address registers. Either way rows from n_rows on
     (with CHECK_R) and columns past N_COLS read as 0: the copy engine zero-fills past the
     tensor's shape, and rows between n_rows (the end of a mask's key range) and the shape
-    are zeroed here, so values there (NaN in padding) never meet a zero weight."""
+    are zeroed here, so values there (NaN in padding) never meet a zero weight. Past the
+    shape alone no check is needed with TMA (the caller then leaves CHECK_R off)."""
     if TMA:
         coords = [off_b.to(tl.int32), off_h.to(tl.int32), start_n, 0]  # TMA takes 32-bit
         a = desc.load(coords).reshape(offs_n.shape[0], HEAD)

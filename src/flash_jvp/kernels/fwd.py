@@ -155,12 +155,17 @@ def _attn_fwd_inner(
     HAS_MASK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
+    KEY_BOUND: tl.constexpr,
 ):
     TANGENT_S: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_MASK_T  # the scores have a tangent
+    # Rows past Lk to zero: the descriptor loads zero-fill past the tensor's end already, so
+    # they need it only where a mask's key range (KEY_BOUND) ends the loop before that (the
+    # extra select costs registers: spills in the fwd+JVP kernel at E=128).
+    CHECK_R: tl.constexpr = MASK and (not TMA or KEY_BOUND)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, k2 = load_keys(k_desc, k_base, off_b, off_hk, start_n, offs_n, stride_kn, stride_kd,
-                          Lk, D, HEAD_DIM, HEAD_DIM_TAIL, MASK, TMA)  # fmt: skip
+                          Lk, D, HEAD_DIM, HEAD_DIM_TAIL, CHECK_R, TMA)  # fmt: skip
         qk = dot_split(q, q2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
         if MASK:
             keep = score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL)
@@ -176,14 +181,14 @@ def _attn_fwd_inner(
         p = tl.math.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v, v2 = load_keys(v_desc, v_base, off_b, off_hk, start_n, offs_n, stride_vn, stride_vd,
-                          Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL, MASK, TMA)  # fmt: skip
+                          Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL, CHECK_R, TMA)  # fmt: skip
         p_s_t = p  # P o (S_t - mu) and the move of mu, with a tangent of the scores
         d_mu = alpha
         if TANGENT_S:
             if HAS_K_T:
                 k_t, k_t2 = load_keys(k_t_desc, k_t_base, off_b, off_hk, start_n, offs_n,
                                       stride_ktn, stride_ktd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL,
-                                      MASK, TMA)  # fmt: skip
+                                      CHECK_R, TMA)  # fmt: skip
             if HAS_Q_T:
                 s_t = dot_split(q_t, q_t2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION)
                 if HAS_K_T:
@@ -207,7 +212,7 @@ def _attn_fwd_inner(
             mu_i = mu_new
         acc, acc_t = _attn_fwd_pv(
             acc, acc_t, p, p_s_t, alpha, d_mu, v, v_t_desc, v_t_base, off_b, off_hk, start_n,
-            offs_n, stride_vtn, stride_vtd, Lk, DV, HEAD_DIM_V, MASK, TANGENT_S, HAS_V_T,
+            offs_n, stride_vtn, stride_vtd, Lk, DV, HEAD_DIM_V, CHECK_R, TANGENT_S, HAS_V_T,
             DOT_PRECISION, TMA,
         )  # fmt: skip
         if HEAD_DIM_V_TAIL > 0:  # never with TMA (single tiles only)
@@ -397,7 +402,7 @@ def attn_fwd_kernel(
             s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale, scale, mask_min,
             D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_N, stage == 1,
             IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS,
-            HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION, TMA,
+            HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION, TMA, MASK_SPLIT == 1,
         )  # fmt: skip
 
     inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # fully masked rows: o = 0
