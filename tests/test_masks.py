@@ -677,7 +677,7 @@ BAD_MASKS = [
     ("too-many-dims", lambda: torch.zeros(1, 2, 2, 8, 8, device=DEVICE), {}, ValueError,
      r"attn_mask to broadcast.*attn_mask of shape \(1, 2, 2, 8, 8\)"),
     ("int64", lambda: torch.ones(8, 8, dtype=torch.int64, device=DEVICE), {}, TypeError,
-     "Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+     "Expected attn_mask dtype to be bool, torch.float32 or the query's dtype, but got "
      "attn_mask.dtype: torch.int64 and query.dtype: torch.float32"),
     ("float16-with-fp32-query", lambda: torch.zeros(8, 8, dtype=torch.float16, device=DEVICE),
      {}, TypeError, "attn_mask.dtype: torch.float16 and query.dtype: torch.float32"),

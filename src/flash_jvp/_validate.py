@@ -198,8 +198,8 @@ def _mask_problems(q, k, attn_mask, is_causal) -> list[Problem]:
         out.append(
             (
                 TypeError,
-                "Expected attn_mask dtype to be bool or float or to match query dtype, but got "
-                f"attn_mask.dtype: {attn_mask.dtype} and query.dtype: {q.dtype}.",
+                "Expected attn_mask dtype to be bool, torch.float32 or the query's dtype, but "
+                f"got attn_mask.dtype: {attn_mask.dtype} and query.dtype: {q.dtype}.",
             )
         )
     if attn_mask.device != q.device:
