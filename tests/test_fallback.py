@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import assert_matches_reference, qkv
 from torch.autograd import forward_ad as fwAD
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_jvp
 from flash_jvp import api
@@ -34,11 +36,35 @@ def test_fallback_forward_ad_and_validation(fallback):
         flash_jvp.attention(q, k[:, :1], v[:, :1])
 
 
-def test_fallback_autocast_casts_float32_only(fallback):
-    q, k, v, _, _ = qkv(1, 2, 2, 8, 8, 16, device="cpu")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert flash_jvp.attention(q, k, v).dtype == torch.bfloat16
-        assert flash_jvp.attention(q.double(), k.double(), v.double()).dtype == torch.float64
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str
+)
+@pytest.mark.parametrize(
+    "mask_dtype",
+    [None, torch.bool, torch.float32, torch.float16, torch.bfloat16, torch.float64],
+    ids=str,
+)
+def test_fallback_autocast_casts_like_sdpa(fallback, autocast_dtype, dtype, mask_dtype):
+    """Under autocast every fp16/bf16/fp32 argument, attn_mask included, is cast to the
+    autocast dtype (float64 is not): the result dtype, values and refusals of math SDPA."""
+    q, k, v, _, _ = qkv(1, 2, 2, 8, 8, 16, dtype=dtype, device="cpu")
+    mask = None if mask_dtype is None else torch.randn(8, 8).to(mask_dtype)
+    if mask_dtype is torch.bool:
+        mask = (torch.rand(8, 8) > 0.3) | torch.eye(8, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        except RuntimeError:  # torch's refusal (a float64 mask beside a cast query)
+            assert flash_jvp.supports(q, k, v, attn_mask=mask)
+            with pytest.raises(TypeError, match="attn_mask dtype"):
+                flash_jvp.attention(q, k, v, attn_mask=mask)
+            return
+        assert flash_jvp.supports(q, k, v, attn_mask=mask) == []
+        o = flash_jvp.attention(q, k, v, attn_mask=mask)
+    assert o.dtype == expected.dtype
+    torch.testing.assert_close(o, expected, atol=3e-2, rtol=3e-2)
 
 
 def test_meta_tensors_take_the_fallback():

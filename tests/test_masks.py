@@ -662,6 +662,24 @@ def test_mask_with_is_causal_is_sdpa_error():
         math_sdpa(q, k, v, attn_mask=mask, is_causal=True)
 
 
+@needs_kernels
+def test_autocast_is_the_call_on_cast_inputs():
+    """Under fp16 autocast, float32 q, k, v, their tangents and a bf16 additive mask give
+    exactly the call on their fp16 casts (as autocast casts SDPA's arguments)."""
+    q, k, v, tangents, _ = qkv(1, 2, 2, 40, 40, 16)
+    mask = randn(40, 40, dtype=torch.bfloat16)
+
+    def call(mask):
+        return lambda q, k, v: flash_jvp.attention(q, k, v, attn_mask=mask)
+
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        o, o_t = torch.func.jvp(call(mask), (q, k, v), tangents)
+    half = [x.half() for x in (q, k, v, *tangents)]
+    o16, o_t16 = torch.func.jvp(call(mask.half()), tuple(half[:3]), tuple(half[3:]))
+    assert o.dtype == o_t.dtype == torch.float16
+    assert torch.equal(o, o16) and torch.equal(o_t, o_t16)
+
+
 BAD_MASKS = [
     ("causal-bias-with-is-causal", lambda: causal_lower_right(8, 8), {"is_causal": True},
      ValueError, "CausalBias should not be used with causal=True"),

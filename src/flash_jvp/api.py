@@ -94,8 +94,9 @@ def scaled_dot_product_attention(
         CUDA tensors run the Triton kernels. CPU tensors run the same kernels under
         ``TRITON_INTERPRET=1`` (slow; for tests), and otherwise fall back to
         :func:`flash_jvp.reference.attention_ref`, plain PyTorch with the same semantics.
-        Other devices use that fallback too. Under autocast the inputs are cast to the
-        autocast dtype first, as SDPA does.
+        Other devices use that fallback too. Under autocast, query, key, value and a float
+        attn_mask in fp16, bf16 or fp32 are cast to the autocast dtype first, as autocast
+        does for SDPA (float64 stays float64).
 
     Precision:
         fp32 products use IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set
@@ -115,7 +116,7 @@ def scaled_dot_product_attention(
             lambda q, k, v: flash_jvp.attention(q, k, v, is_causal=True),
             (q, k, v), (q_t, k_t, v_t))
     """
-    query, key, value = _autocast(query, key, value)
+    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     kernels = _kernels(query)
     _validate.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernels)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -233,7 +234,7 @@ def supports(
 
     Lets callers route unsupported calls (e.g. with ``attn_mask``) to torch's SDPA themselves.
     """
-    query, key, value = _autocast(query, key, value)
+    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     found = _validate.problems(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, _kernels(query)
     )
@@ -271,13 +272,23 @@ def _nested_forward_ad() -> bool:
     return stack is not None and sum(i.key() == TransformType.Jvp for i in stack) >= 2
 
 
+# what autocast casts for an op it runs in lower precision, such as SDPA (not float64)
+_AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _autocast(*xs):
-    """Cast float32 inputs to the autocast dtype when autocast is on, as SDPA (an op that
-    autocast runs in lower precision) does; other dtypes pass through."""
-    if not all(isinstance(x, Tensor) for x in xs):
+    """With autocast on for the first tensor's device, xs with a dtype in _AUTOCAST_FROM cast
+    to the autocast dtype, as autocast does for SDPA's arguments; all else passes through
+    (other dtypes, None, a CausalBias, non-tensors, which validation then reports)."""
+    if not isinstance(xs[0], Tensor):
         return xs
     device_type = xs[0].device.type
     if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
         return xs
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(x.to(dtype) if x.dtype == torch.float32 else x for x in xs)
+    return tuple(
+        x.to(dtype)
+        if isinstance(x, Tensor) and not isinstance(x, CausalBias) and x.dtype in _AUTOCAST_FROM
+        else x
+        for x in xs
+    )
