@@ -152,3 +152,32 @@ def test_batch_times_heads_beyond_the_grid_is_refused_and_listed():
     assert any("batch * heads = 65536" in r for r in reasons), reasons
     with pytest.raises(NotImplementedError, match="batch \\* heads = 65536"):
         flash_jvp.attention(q, q, q)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["square", "strided"])
+def test_mask_spanning_2_31_elements_is_listed_and_refused(layout):
+    """An attn_mask whose entries for one (batch, head) span >= 2**31 elements: supports()
+    lists it (it returned [] while the call refused) and the refusal names the user's mask,
+    not the kernels' 4-D view. The masks are never written, so their memory is not touched."""
+    if layout == "square":  # the fresh-user trial's case: a 46341 x 46341 boolean mask
+        q = t(1, 1, 46341, 8)
+        mask = torch.empty(46341, 46341, dtype=torch.bool, device=DEVICE)
+    else:  # two rows 2**31 elements apart
+        q = t(1, 1, 2, 8)
+        storage = torch.empty(2**31 + 2, dtype=torch.bool, device=DEVICE)
+        mask = storage.as_strided((2, 2), (2**31, 1))
+    found = flash_jvp.supports(q, q, q, attn_mask=mask)
+    assert any("spanning" in m for m in found), found
+    with pytest.raises(NotImplementedError, match=r"attn_mask of shape \((46341, 46341|2, 2)\)"):
+        flash_jvp.attention(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.skipif(CUDA, reason="the message for a torch without CUDA")
+def test_check_on_cuda_without_cuda_exits_cleanly(capsys):
+    """`python -m flash_jvp check --device cuda` on a CPU-only torch: a message and exit code
+    2, as `bench` gives (was: torch's AssertionError 'Torch not compiled with CUDA')."""
+    from flash_jvp import cli
+
+    assert cli.main(["check", "--device", "cuda"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out

@@ -1,33 +1,44 @@
-"""autograd.Functions around the launchers: reverse mode, forward mode and torch.func.
+"""autograd.Functions around the ops: reverse mode, forward mode and torch.func.
 
-How the tangent gets to the fused kernel: the public function unpacks the tangents of its
-(dual) inputs and passes them to ``FlashAttnJVP.apply`` next to the primals, so ``forward``
-runs the one-pass kernel that yields o, o_t and lse together; ``jvp`` then hands back that
-o_t. When ``jvp`` is called with tangents other than the ones the forward saw (e.g. a
-``torch.func.jvp`` outside a ``torch.func.grad``), it runs the fused kernel on them itself.
+:func:`attention` is the Autograd-key kernel of the ``flash_jvp::attention`` op (see
+``_library.py``), so it runs eagerly and, under torch.compile, where AOTAutograd traces the
+graph (on fake tensors); the Functions' forward and backward call the ``attn_fwd`` /
+``attn_bwd`` ops. How the tangent gets to the fused kernel: :func:`attention` unpacks the
+tangents of its (dual) inputs and passes them to ``FlashAttnJVP.apply`` next to the primals,
+so ``forward`` runs the one-pass kernel that yields o, o_t and lse together; ``jvp`` then
+hands back that o_t. When ``jvp`` is called with tangents other than the ones the forward saw
+(e.g. a ``torch.func.jvp`` outside a ``torch.func.grad``), it runs the fused kernel on them
+itself.
 
 All Functions use ``setup_context`` and define ``vmap`` (folding the vmapped dim into the
 batch dim), so ``torch.func.grad/jvp/vjp/jacfwd/jacrev/vmap`` compose with them. Directly
 under ``torch.func.jvp`` (the common case), :func:`attention` does functorch's part itself.
+Forward-mode tangents are read and made at dual level 0 explicitly (``torch._unpack_dual``,
+``torch._make_dual``): the only level autograd has, and the one torch.func uses, also where
+a compiled graph re-enters it without Python's ``forward_ad`` bookkeeping.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch._C._functorch import (
     TransformType,
     _unwrap_for_grad,
     _wrap_for_grad,
+    get_interpreter_stack,
+    is_batchedtensor,
     is_functorch_wrapped_tensor,
     peek_interpreter_stack,
 )
 from torch._functorch.autograd_function import custom_function_call
-from torch._functorch.pyfunctorch import coerce_cinterpreter
+from torch._functorch.pyfunctorch import coerce_cinterpreter, dispatch_functorch
 from torch._functorch.utils import unwrap_dead_wrappers
-from torch.autograd import forward_ad as fwAD
 
-from . import _ops, reference
-from ._utils import Spec
+from . import _library, reference
+from ._library import spec_args
+from ._utils import Spec, no_autocast
 
 Tensor = torch.Tensor
 
@@ -83,33 +94,99 @@ def _jvp_result(ctx, o_t: Tensor) -> tuple[Tensor | None, ...]:
 class _Function(torch.autograd.Function):
     """An autograd.Function whose ``apply`` takes positional arguments only: what
     ``Function.apply`` does, less its per-call ``inspect.signature`` binding of default
-    arguments (about a third of a plain forward's host time; our forwards have none)."""
+    arguments (about a third of a plain forward's host time; our forwards have none).
+
+    Under torch.func transforms it goes to functorch's interpreter directly: inside an op's
+    kernel, functorch has masked the dispatch key through which ``custom_function_call``
+    would reach it."""
 
     @classmethod
     def apply(cls, *args):
         if torch._C._are_functorch_transforms_active():
-            return custom_function_call(cls, *args)
+            return dispatch_functorch(custom_function_call, (cls, *args), {})
         return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
 
 
-def attention(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec) -> Tensor:
-    """o of :class:`FlashAttnJVP` (arguments as its ``forward``), carrying o_t as its tangent.
+def _tangent(x: Tensor | None, name: str) -> Tensor | None:
+    """x's forward-mode tangent, None if absent or a symbolic zero.
 
-    When the innermost transform is a ``torch.func.jvp`` whose tangents reached us, the
-    Function is applied one level down and o is made a dual of the fused o_t at the JVP's
-    level here. That is what functorch's generic autograd.Function support does, less its
-    per-call class generation and pytree passes (measured: ~0.6 ms of host time a call).
+    Under a vmap inside the JVP the tangent cannot be unpacked here; FlashAttnJVP.jvp then
+    receives it instead.
     """
-    tangents = (q_t, k_t, v_t, mask_t)
+    if x is None or is_batchedtensor(x):
+        return None
+    t = torch._unpack_dual(x, 0)[1]
+    if t is None or t._is_zerotensor():
+        return None
+    if t.dtype != x.dtype:
+        raise ValueError(
+            f"Expected the forward-mode tangent of {name} to have its dtype {x.dtype}, but got "
+            f"{t.dtype}."
+        )
+    return t
+
+
+def _nested_forward_ad() -> bool:
+    """Two or more torch.func forward-mode levels (jvp of jvp, jacfwd of jacfwd): the fused
+    kernel gives only first-order tangents, so such calls take the PyTorch reference path."""
+    stack = get_interpreter_stack()  # C++ interpreters: no Python wrappers built per call
+    return stack is not None and sum(i.key() == TransformType.Jvp for i in stack) >= 2
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
+    """o of :class:`FlashAttnJVP` (arguments as the launchers take them), carrying o_t as its
+    tangent.
+
+    When the innermost transform is a ``torch.func.jvp``, the Function is applied one level
+    down and o is made a dual of the fused o_t at the JVP's level here. That is what
+    functorch's generic autograd.Function support does, less its per-call class generation and
+    pytree passes (measured: ~0.6 ms of host time a call), and it needs no functorch dispatch
+    from inside an op's kernel (see :func:`traced_attention`).
+    """
+    if _nested_forward_ad():
+        with no_autocast(q.device):
+            return reference.attention_spec(q, k, v, mask, spec)
+    names = ("q", "k", "v") if spec.varlen else ("query", "key", "value")  # as the API's
+    tangents = [_tangent(x, name) for x, name in zip((q, k, v), names)]
+    additive = mask is not None and mask.dtype != torch.bool
+    tangents.append(_tangent(mask, "attn_mask") if additive else None)
     top = peek_interpreter_stack()
-    if top is None or top.key() != TransformType.Jvp or all(t is None for t in tangents):
+    if top is None or top.key() != TransformType.Jvp:
         return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[0]
     interp = coerce_cinterpreter(top)
     level = interp.level()
     args = [None if x is None else _unwrap_for_grad(x, level) for x in (q, k, v, mask, *tangents)]
+    if spec.varlen:  # an op's arguments arrive wrapped at the level, cu_seqlens too
+        cu_q, cu_k = (_unwrap_for_grad(cu, level) for cu in (spec.cu_seqlens_q, spec.cu_seqlens_k))
+        spec = dataclasses.replace(spec, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     with interp.lower():
-        o, _, o_t = FlashAttnJVP.apply(*args, spec)
-    return fwAD.make_dual(_wrap_for_grad(o, level), _wrap_for_grad(o_t, level))
+        out = FlashAttnJVP.apply(*args, spec)
+    o = _wrap_for_grad(out[0], level)
+    return o if len(out) == 2 else torch._make_dual(o, _wrap_for_grad(out[2], level), 0)
+
+
+def traced_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
+    """:func:`attention` as the Autograd kernel of ``flash_jvp::attention``, which runs where
+    torch.compile's AOTAutograd traces the graph. There functorch has masked the dispatch key
+    through which an autograd.Function reaches a grad transform, so under ``torch.func.grad``
+    / ``vjp`` / ``jacrev`` (rare inside compiled training code, which calls ``.backward()``)
+    the call takes the PyTorch composite, which materialises the (Lq, Lk) scores; forward
+    mode (``torch.func.jvp``, whose level :func:`attention` handles itself) and vmap (folded
+    before this kernel runs) keep the fused kernels."""
+    if any(i.key() != TransformType.Jvp for i in get_interpreter_stack() or []):
+        with no_autocast(q.device):
+            return reference.attention_spec(q, k, v, mask, spec)
+    return attention(q, k, v, mask, spec)
+
+
+def vmap_attention(size: int, in_dims, q, k, v, mask, spec: Spec) -> Tensor:
+    """``flash_jvp::attention`` under vmap: the vmapped dim folded into the batch dim.
+    Returns o with the vmapped dim first."""
+    _no_varlen_vmap(spec)
+    q, k, v = _fold((q, k, v), in_dims[:3], size)
+    mask = _fold_mask(mask, in_dims[3], size, q.shape[0] // size)
+    o = _library.attention(q, k, v, mask, spec)
+    return o.reshape(size, o.shape[0] // size, *o.shape[1:])
 
 
 class FlashAttnJVP(_Function):
@@ -118,8 +195,9 @@ class FlashAttnJVP(_Function):
 
     @staticmethod
     def forward(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec):
-        o, o_t, lse = _ops.attn_fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec)
-        return (o, lse) if o_t is None else (o, lse, o_t)
+        tangents = (q_t, k_t, v_t, mask_t)
+        o, o_t, lse = _library.attn_fwd(q, k, v, *tangents[:3], mask, mask_t, *spec_args(spec))
+        return (o, lse) if all(t is None for t in tangents) else (o, lse, o_t)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -142,11 +220,11 @@ class FlashAttnJVP(_Function):
         if o_t is not None and same:
             # The forward's own o_t output without its (zero) tangent: reverse mode through
             # it reaches our backward, which refuses instead of returning silent zeros.
-            return _jvp_result(ctx, fwAD.unpack_dual(o_t).primal)
+            return _jvp_result(ctx, torch._unpack_dual(o_t, 0)[0])
         if gq is None and gk is None and gv is None and gmask is None:
             return _jvp_result(ctx, q.new_zeros(()).expand(*q.shape[:-1], v.shape[-1]))
         if _kernel_ready(q, k, v, mask, gq, gk, gv, gmask):
-            o_t = _ops.attn_fwd(q, k, v, gq, gk, gv, mask, gmask, ctx.spec)[1]
+            o_t = _library.attn_fwd(q, k, v, gq, gk, gv, mask, gmask, *spec_args(ctx.spec))[1]
             return _jvp_result(ctx, _TangentNoGrad.apply(o_t, q, k, v, mask, gq, gk, gv, gmask))
         return _jvp_result(ctx, reference.attention_jvp(q, k, v, gq, gk, gv, mask, gmask, ctx.spec))
 
@@ -159,7 +237,7 @@ class FlashAttnJVP(_Function):
             return (None,) * 9
         mask_grad = ctx.needs_input_grad[3]
         if _plain_backward(do, q, k, v, mask):
-            grads = _ops.attn_bwd(do, q, k, v, o, lse, mask, ctx.spec, mask_grad)
+            grads = _bwd(do, q, k, v, o, lse, mask, ctx.spec, mask_grad)
         else:
             grads = AttnBackward.apply(do, q, k, v, o, lse, mask, ctx.spec, mask_grad)
         dmask = grads[3] if mask_grad else None
@@ -177,12 +255,18 @@ class FlashAttnJVP(_Function):
         return _unfold(FlashAttnJVP.apply(q, k, v, mask, q_t, k_t, v_t, mask_t, spec), size)
 
 
+def _bwd(do, q, k, v, o, lse, mask, spec: Spec, mask_grad: bool) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dmask or None) from the ``attn_bwd`` op."""
+    dq, dk, dv, dmask = _library.attn_bwd(do, q, k, v, o, lse, mask, *spec_args(spec), mask_grad)
+    return dq, dk, dv, dmask if mask_grad else None
+
+
 def _plain_backward(*tensors) -> bool:
     """True when nothing will differentiate the gradients (no create_graph, no forward-mode
     tangent, no torch.func wrapper), so the kernels can run without AttnBackward's Function."""
     if torch.is_grad_enabled() or not _kernel_ready(*tensors):
         return False
-    return all(t is None or fwAD.unpack_dual(t).tangent is None for t in tensors)
+    return all(t is None or torch._unpack_dual(t, 0)[1] is None for t in tensors)
 
 
 class AttnBackward(_Function):
@@ -199,7 +283,7 @@ class AttnBackward(_Function):
 
     @staticmethod
     def forward(do, q, k, v, o, lse, mask, spec: Spec, mask_grad: bool):
-        dq, dk, dv, dmask = _ops.attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad)
+        dq, dk, dv, dmask = _bwd(do, q, k, v, o, lse, mask, spec, mask_grad)
         return (dq, dk, dv, dmask) if mask_grad else (dq, dk, dv)
 
     @staticmethod
@@ -227,9 +311,9 @@ class AttnBackward(_Function):
             if g_do is None:
                 return tuple(_zero_tangent(t) for t in outs)
             if _kernel_ready(g_do, q, k, v, o, lse, mask):
-                grads = _ops.attn_bwd(g_do, q, k, v, o, lse, mask, ctx.spec, ctx.mask_grad)
+                grads = _bwd(g_do, q, k, v, o, lse, mask, ctx.spec, ctx.mask_grad)
                 return grads[: len(outs)]
-        with torch.autocast(q.device.type, enabled=False):
+        with no_autocast(q.device):
             return reference.attention_bwd_jvp(
                 q, k, v, do, gq, gk, gv, g_do, mask, gmask, ctx.spec, ctx.mask_grad
             )

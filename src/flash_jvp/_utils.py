@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -28,6 +29,14 @@ def uses_kernels(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and INTERPRET and HAS_TRITON
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off for ``device`` (where autocast exists), so the float32 internals of the
+    plain-PyTorch paths stay float32; their inputs were cast as autocast casts SDPA's."""
+    if device.type in ("cuda", "cpu"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def kernel_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:

@@ -227,6 +227,38 @@ def _mask_problems(q, k, attn_mask, is_causal) -> list[Problem]:
     return out
 
 
+MAX_MASK_SPAN = 2**31  # the kernels index an attn_mask with 32-bit offsets per (batch, head)
+
+
+def mask_span(attn_mask: torch.Tensor, lq: int, lk: int) -> int:
+    """Elements between the first and last entry of ``attn_mask`` that one (batch, head) of
+    the (lq, lk) scores reads, as the kernels index it: through the mask's strides, or of a
+    contiguous copy where a mask with several leading dims of size > 1 cannot be viewed as
+    4-D (flash_jvp.api._mask_4d)."""
+    shape = (1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape[-2:])
+    strides = (0,) * (2 - attn_mask.dim()) + tuple(attn_mask.stride()[-2:])
+    rows, cols = (lq if shape[0] > 1 else 1), (lk if shape[1] > 1 else 1)  # size 1 broadcasts
+    span = (rows - 1) * abs(strides[0]) + (cols - 1) * abs(strides[1])
+    if sum(n > 1 for n in attn_mask.shape[:-3]) > 1:
+        span = max(span, rows * cols - 1)
+    return span
+
+
+def _mask_span_problems(q, k, attn_mask) -> list[Problem]:
+    span = mask_span(attn_mask, q.shape[-2], k.shape[-2])
+    if span < MAX_MASK_SPAN:
+        return []
+    return [
+        (
+            NotImplementedError,
+            f"flash_jvp: an attn_mask spanning {span} elements within one (batch, head) of the "
+            f"scores is not supported (the kernels index masks with 32-bit offsets, up to "
+            f"{MAX_MASK_SPAN - 1}); got {_desc('attn_mask', attn_mask)} and strides "
+            f"{attn_mask.stride()} for query {tuple(q.shape)}, key {tuple(k.shape)}.",
+        )
+    ]
+
+
 def _argument_problems(dropout_p, is_causal, scale, enable_gqa) -> list[Problem]:
     out: list[Problem] = []
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
@@ -272,6 +304,8 @@ def problems(
         out += _mask_problems(query, key, attn_mask, is_causal)
     if kernels:
         out += _kernel_problems(query, key, value)
+        if isinstance(attn_mask, torch.Tensor) and not isinstance(attn_mask, CausalBias):
+            out += _mask_span_problems(query, key, attn_mask)
     return out
 
 
@@ -299,6 +333,26 @@ def _cu_seqlens_type_problems(name: str, cu, device) -> list[Problem]:
     return []
 
 
+def _may_read_back(device: torch.device) -> bool:
+    """Whether cu_seqlens may be copied to the host to check their values: not while
+    torch.compile traces (no data there) or a CUDA graph captures (a sync would break it)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _is_int(n) -> bool:
+    return isinstance(n, (numbers.Integral, torch.SymInt)) and not isinstance(n, bool)
+
+
+def _max_seqlen_type_problems(*max_lens) -> list[Problem]:
+    return [
+        (TypeError, f"Expected {name} to be an int, but got {n!r}.")
+        for name, n in zip(("max_seqlen_q", "max_seqlen_k"), max_lens)
+        if not _is_int(n)
+    ]
+
+
 def _cu_seqlens_value_problems(name: str, values: list[int], total: int, max_name, max_len):
     lengths = [b - a for a, b in zip(values, values[1:])]
     if values[0] != 0 or any(n < 0 for n in lengths) or values[-1] != total:
@@ -310,7 +364,7 @@ def _cu_seqlens_value_problems(name: str, values: list[int], total: int, max_nam
                 f"packed tokens ({total}), but got {shown}.",
             )
         ]
-    if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral):
+    if not _is_int(max_len):
         return [(TypeError, f"Expected {max_name} to be an int, but got {max_len!r}.")]
     longest = max(lengths, default=0)
     if max_len < longest:
@@ -366,6 +420,8 @@ def varlen_problems(
                 f"sequence, plus one), but got {n} and {cu_seqlens_k.numel()}.",
             )
         ]
+    if not _may_read_back(q.device):
+        return _max_seqlen_type_problems(max_seqlen_q, max_seqlen_k)
     values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()  # the one device-to-host copy
     found = _cu_seqlens_value_problems(
         "cu_seqlens_q", values[:n], q.shape[0], "max_seqlen_q", max_seqlen_q

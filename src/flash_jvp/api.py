@@ -5,12 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch._C._functorch import TransformType, get_interpreter_stack, is_batchedtensor
-from torch.autograd import forward_ad as fwAD
 from torch.nn.attention.bias import CausalBias
 
-from . import _validate, reference
-from ._utils import Spec, uses_kernels
+from . import _library, _validate, reference
+from ._utils import Spec, no_autocast, uses_kernels
 
 Tensor = torch.Tensor
 
@@ -120,18 +118,16 @@ def scaled_dot_product_attention(
     kernels = _kernels(query)
     _validate.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernels)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    if not kernels or _nested_forward_ad():
-        return reference.attention_ref(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-    from . import _function  # imports triton: only on the kernel path
-
+    if not kernels:
+        with no_autocast(query.device):
+            return reference.attention_ref(
+                query, key, value, attn_mask, is_causal, scale, enable_gqa
+            )
     lead = query.shape[:-3]
     q, k, v = (_batch_3d(x, lead) for x in (query, key, value))
     offset = reference.causal_offset(is_causal, attn_mask, q.shape[-2], k.shape[-2])
     mask = None if isinstance(attn_mask, CausalBias) else _mask_4d(attn_mask, lead)
-    tangents = [_tangent(x, name) for x, name in zip((q, k, v), ("query", "key", "value"))]
-    mask_t = None if mask is None or mask.dtype == torch.bool else _tangent(mask, "attn_mask")
-    spec = Spec(scale, offset)
-    o = _function.attention(q, k, v, mask, *tangents, mask_t, spec)
+    o = _attend(q, k, v, mask, Spec(scale, offset))
     return o if len(lead) == 1 else o.reshape(*lead, *o.shape[1:])
 
 
@@ -210,14 +206,26 @@ def varlen_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     # the launch grid needs no more than the totals
     max_seqlen_q, max_seqlen_k = min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
-    if not kernels or _nested_forward_ad():
-        return reference.varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale)
-    from . import _function
-
+    if not kernels:
+        with no_autocast(q.device):
+            return reference.varlen_attention_dense(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale
+            )
     spec = Spec(scale, 0 if is_causal else None, cu_seqlens_q, cu_seqlens_k,
-                int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
-    tangents = [_tangent(x, name) for x, name in zip((q, k, v), ("q", "k", "v"))]
-    return _function.attention(q, k, v, None, *tangents, None, spec)
+                max_seqlen_q, max_seqlen_k)  # fmt: skip
+    return _attend(q, k, v, None, spec)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
+    """The kernel path. While torch.compile traces, through the ``flash_jvp::attention`` op,
+    which Dynamo treats as opaque (its tangent logic runs where AOTAutograd traces, see
+    _library.py); eagerly, the autograd.Functions directly: the same code, with every
+    torch.func transform composing and without the dispatcher's host time."""
+    if torch.compiler.is_compiling():
+        return _library.attention(q, k, v, mask, spec)
+    from . import _function  # imports functorch internals Dynamo must not trace
+
+    return _function.attention(q, k, v, mask, spec)
 
 
 def supports(
@@ -244,32 +252,6 @@ def supports(
 def _kernels(query) -> bool:
     """Whether this call runs the Triton kernels (else the PyTorch fallback)."""
     return isinstance(query, Tensor) and uses_kernels(query.device)
-
-
-def _tangent(x: Tensor, name: str) -> Tensor | None:
-    """x's forward-mode tangent at the current level, None if absent or a symbolic zero.
-
-    Under a vmap inside the JVP the tangent cannot be unpacked here; FlashAttnJVP.jvp then
-    receives it instead.
-    """
-    if is_batchedtensor(x):
-        return None
-    t = fwAD.unpack_dual(x).tangent
-    if t is None or t._is_zerotensor():
-        return None
-    if t.dtype != x.dtype:
-        raise ValueError(
-            f"Expected the forward-mode tangent of {name} to have its dtype {x.dtype}, but got "
-            f"{t.dtype}."
-        )
-    return t
-
-
-def _nested_forward_ad() -> bool:
-    """Two or more torch.func forward-mode levels (jvp of jvp, jacfwd of jacfwd): the fused
-    kernel gives only first-order tangents, so such calls take the PyTorch reference path."""
-    stack = get_interpreter_stack()  # C++ interpreters: no Python wrappers built per call
-    return stack is not None and sum(i.key() == TransformType.Jvp for i in stack) >= 2
 
 
 # what autocast casts for an op it runs in lower precision, such as SDPA (not float64)

@@ -182,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args.out, args.quick, console)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        console.print(
+            "flash_jvp check --device cuda needs a CUDA GPU and a CUDA build of torch "
+            f"(this is torch {torch.__version__}, torch.cuda.is_available() is False); "
+            "without --device it checks on the CPU."
+        )
+        return 2
     console.print(f"flash_jvp check on {path_name(device)}; {environment()}")
     rows = run_check(device, args.seed, console)
     if args.json:

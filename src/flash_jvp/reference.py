@@ -88,17 +88,61 @@ def attention_ref(
     Ev) -> (..., Hq, Lq, Ev); ``attn_mask`` boolean, additive, or a ``CausalBias``. With
     ``upcast`` the math runs in float32 (float64 stays float64) and the result is cast back
     to q's dtype. Additive entries <= finfo(q.dtype).min mask their key out exactly; rows with
-    no visible key give zeros.
+    no visible key give zeros. Key/value heads fewer than query heads are shared by groups of
+    query heads whether or not ``enable_gqa`` is set (it is taken for SDPA's signature; the
+    callers validate it).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     offset = causal_offset(is_causal, attn_mask, q.shape[-2], k.shape[-2])
     mask = None if isinstance(attn_mask, CausalBias) else attn_mask
     dtype = _compute_dtype(q.dtype) if upcast else q.dtype
+    return _attend(q, k, v, mask, scale, offset, dtype)
+
+
+def _attend(q, k, v, mask, scale: float, offset: int | None, dtype: torch.dtype) -> Tensor:
+    """softmax(scale q k^T [+ causal] [+ mask]) v computed in ``dtype``, cast to q's dtype;
+    k and v with fewer heads than q are shared by groups of query heads (GQA)."""
     qc, kc, vc = (x.to(dtype) for x in (q, k, v))
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
+    if k.shape[-3] != q.shape[-3]:
         kc, vc = _expand_kv(kc, q.shape[-3]), _expand_kv(vc, q.shape[-3])
     p = _softmax_probs(qc, kc, scale, offset, mask, torch.finfo(q.dtype).min)
     return (p @ vc).to(q.dtype)
+
+
+def attention_spec(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
+    """:func:`attention_ref` on the launchers' arguments: q, k, v (B, H, L, E) or packed
+    (total, H, E) with ``spec.varlen``, a boolean/additive ``mask`` broadcasting to the scores,
+    scale and causal offset from ``spec``; computed in float32 (float64 stays float64)."""
+    if spec.varlen:
+        is_causal = spec.causal_offset is not None
+        return varlen_attention_dense(
+            q, k, v, spec.cu_seqlens_q, spec.cu_seqlens_k, is_causal, spec.scale
+        )
+    return _attend(q, k, v, mask, spec.scale, spec.causal_offset, _compute_dtype(q.dtype))
+
+
+def varlen_attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale=None):
+    """:func:`flash_jvp.varlen_attention` as one dense attention over all packed tokens with a
+    block-diagonal mask (query i sees the keys of its own sequence; with ``is_causal`` those at
+    most its own position in it, top-left aligned): no host copy of ``cu_seqlens`` and no
+    data-dependent shapes, so it traces under torch.compile. Materialises (total_q, total_k)
+    scores per head; computed in float32 (float64 stays float64)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    seq_q, pos_q = _seq_positions(cu_seqlens_q, q.shape[0])
+    seq_k, pos_k = _seq_positions(cu_seqlens_k, k.shape[0])
+    mask = seq_q[:, None] == seq_k[None, :]
+    if is_causal:
+        mask = mask & (pos_k[None, :] <= pos_q[:, None])
+    o = _attend(*(x.transpose(0, 1) for x in (q, k, v)), mask, scale, None,
+                _compute_dtype(q.dtype))  # fmt: skip
+    return o.transpose(0, 1)
+
+
+def _seq_positions(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """Per packed token: the index of its sequence and its position within it."""
+    tokens = torch.arange(total, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_seqlens, tokens, right=True) - 1
+    return seq, tokens - cu_seqlens.long()[seq]
 
 
 def varlen_attention_ref(

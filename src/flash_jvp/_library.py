@@ -1,0 +1,176 @@
+"""The kernels as torch.library ops in the ``flash_jvp`` namespace, for torch.compile.
+
+Three ops:
+
+* ``flash_jvp::attn_fwd`` — the fused forward: o, o_t (empty without tangents) and lse.
+* ``flash_jvp::attn_bwd`` — the backward: dq, dk, dv and dmask (empty without ``mask_grad``).
+* ``flash_jvp::attention`` — what ``flash_jvp.attention`` calls while torch.compile traces:
+  o of q, k, v (and a mask). Its Autograd kernel is
+  :func:`flash_jvp._function.traced_attention`, which reads the forward-mode tangents of its
+  inputs and runs the autograd.Functions whose forward/backward call the two ops above; below
+  autograd (inference mode) it is ``attn_fwd``'s o. Eagerly, ``flash_jvp.attention`` calls
+  those Functions directly (``flash_jvp.api._attend``): the same code, without the dispatcher
+  in between, and with every torch.func transform (inside an op's kernel functorch has masked
+  the dispatch key its autograd.Function support needs, so there only ``torch.func.jvp``
+  works).
+
+Why this split: torch.library has no forward-mode (JVP) registration, and a ``custom_op``
+with only ``register_autograd`` returns a zero tangent under ``torch.func.jvp`` without any
+error; Dynamo, when it traces an autograd.Function, drops its ``jvp`` (zero tangents again).
+An op whose Autograd-key kernel is our own Python code is opaque to Dynamo (it needs only the
+fake implementation), so the tangent logic runs where AOTAutograd traces the graph, in
+dispatcher order, on fake tensors — the same code that runs eagerly. The compiled graph then
+holds ``attn_fwd``/``attn_bwd`` calls.
+
+``attn_fwd``/``attn_bwd`` are ``custom_op`` s rather than ``triton_op`` s: the launchers choose
+a launch config per GPU by trying launches (falling back on ``OutOfResources``) and build
+tensor descriptors per config, which tracing through ``wrap_triton`` cannot do, and Inductor's
+re-compilation of the forward kernel as a user-defined Triton kernel fails (an accumulator
+type assertion in ``tl.dot``). As custom ops the kernels run exactly as in eager; Inductor
+calls them as extern kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import Library
+
+from ._utils import Spec
+
+Tensor = torch.Tensor
+
+_LIB = Library("flash_jvp", "DEF")  # noqa: TOR901  (the Autograd kernel needs a Library)
+
+
+def spec_of(scale, causal_offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Spec:
+    return Spec(scale, causal_offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def spec_args(spec: Spec) -> tuple:
+    """The scalar op arguments that rebuild ``spec`` (inverse of :func:`spec_of`)."""
+    return (spec.scale, spec.causal_offset, spec.cu_seqlens_q, spec.cu_seqlens_k,
+            spec.max_seqlen_q, spec.max_seqlen_k)  # fmt: skip
+
+
+def _no_tensor(like: Tensor) -> Tensor:
+    """Stands in for an absent output (ops cannot return None)."""
+    return like.new_empty(0)
+
+
+@torch.library.custom_op("flash_jvp::attn_fwd", mutates_args=())
+def attn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_t: Tensor | None,
+    k_t: Tensor | None,
+    v_t: Tensor | None,
+    mask: Tensor | None,
+    mask_t: Tensor | None,
+    scale: float,
+    causal_offset: int | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, o_t, lse) of :func:`flash_jvp._ops.attn_fwd`; o_t is empty without tangents."""
+    from . import _ops  # imports triton: only where the kernels run
+
+    spec = spec_of(scale, causal_offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, o_t, lse = _ops.attn_fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec)
+    return o, _no_tensor(o) if o_t is None else o_t, lse
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, q_t, k_t, v_t, mask, mask_t, scale, causal_offset, cu_seqlens_q,
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k):  # fmt: skip
+    o = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    tangent = any(t is not None for t in (q_t, k_t, v_t, mask_t))
+    o_t = q.new_empty(o.shape) if tangent else _no_tensor(o)
+    if cu_seqlens_q is not None:  # packed: (H, total_q)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return o, o_t, lse
+
+
+@torch.library.custom_op("flash_jvp::attn_bwd", mutates_args=())
+def attn_bwd(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    causal_offset: int | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask) of :func:`flash_jvp._ops.attn_bwd`; dmask is empty without
+    ``mask_grad``."""
+    from . import _ops
+
+    spec = spec_of(scale, causal_offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv, dmask = _ops.attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad)
+    return dq, dk, dv, _no_tensor(q) if dmask is None else dmask
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(do, q, k, v, o, lse, mask, scale, causal_offset, cu_seqlens_q, cu_seqlens_k,
+                   max_seqlen_q, max_seqlen_k, mask_grad):  # fmt: skip
+    dmask = mask.new_empty(mask.shape) if mask_grad else _no_tensor(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
+
+
+_LIB.define(
+    "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int? causal_offset, "
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k) -> Tensor"
+)
+
+
+def _attention_autograd(q, k, v, mask, *spec):
+    from . import _function
+
+    # torch 2.11 masks PythonTLSSnapshot here, so that a fake-tensor call from inside this
+    # kernel reaches the Python key with no TLS snapshot ("tls_on_entry.has_value() INTERNAL
+    # ASSERT FAILED"); let our calls take their own snapshot, as calls from user code do.
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(
+        torch._C._dispatch_tls_local_include_set(),
+        exclude.remove(torch._C.DispatchKey.PythonTLSSnapshot),
+    ):
+        return _function.traced_attention(q, k, v, mask, spec_of(*spec))
+
+
+def _attention_below_autograd(q, k, v, mask, *spec):
+    return attn_fwd(q, k, v, None, None, None, mask, None, *spec)[0]
+
+
+def _attention_fake(q, k, v, mask, *spec):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _attention_vmap(info, in_dims, q, k, v, mask, *spec):
+    """vmap folds the vmapped dim into the batch dim (varlen has none to fold into)."""
+    from . import _function
+
+    o = _function.vmap_attention(info.batch_size, in_dims[:4], q, k, v, mask, spec_of(*spec))
+    return o, 0
+
+
+_LIB.impl("attention", _attention_autograd, "Autograd")
+_LIB.impl("attention", _attention_below_autograd, "CompositeExplicitAutograd")
+torch.library.register_fake("flash_jvp::attention", _attention_fake, lib=_LIB)
+torch.library.register_vmap("flash_jvp::attention", _attention_vmap, lib=_LIB)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
+    """o of ``flash_jvp::attention`` (q, k, v as the launchers take them, spec as the op's
+    scalar arguments)."""
+    return torch.ops.flash_jvp.attention(q, k, v, mask, *spec_args(spec))

@@ -1,0 +1,591 @@
+"""torch.compile, CUDA graphs and activation checkpointing around flash_jvp.
+
+Every case compares values (outputs, forward-mode tangents, gradients) of the compiled run with
+the eager one, and the tangents with float64 math SDPA: torch can return a zero tangent without
+any error, so a test that only ran would pass it. CPU (CI): Dynamo's "eager" and "aot_eager"
+backends over the Triton interpreter (the kernels, through the ``flash_jvp`` ops) and over the
+plain-PyTorch fallback; GPU: Inductor in each mode, and a whole training step in a CUDA graph.
+
+Where the kernels run, compiled and eager call the same ops on the same inputs, so attention
+alone is compared bit for bit; models with Inductor-fused layers around it within rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import CUDA, DEVICE, assert_close_rel, randn
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
+
+import flash_jvp
+from flash_jvp import _utils, reference
+
+gpu = pytest.mark.gpu
+BACKENDS = ["eager", "aot_eager"] + (["inductor"] if CUDA else [])
+KERNELS = _utils.uses_kernels(torch.device(DEVICE))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(params=["kernels", "fallback"])
+def path(request, monkeypatch):
+    """Which implementation serves the calls: the Triton kernels (interpreter on CPU) or the
+    plain-PyTorch fallback (forced by pretending the device has no kernels)."""
+    if request.param == "kernels" and not KERNELS:
+        pytest.skip("the kernels run on CUDA or under TRITON_INTERPRET=1")
+    if request.param == "fallback":
+        monkeypatch.setattr(flash_jvp.api, "uses_kernels", lambda device: False)
+    return request.param
+
+
+def assert_same(name, compiled, eager, exact: bool):
+    """Bit-identical where ``exact`` (the same kernels on the same inputs), else within fp32
+    rounding of the eager result."""
+    if exact:
+        assert torch.equal(compiled, eager), f"{name}: compiled differs from eager"
+    else:
+        assert_close_rel(name, compiled, eager, 1e-5)
+
+
+def _exact(path: str, backend: str) -> bool:
+    # Inductor re-generates the elementwise ops around the kernels; on the fallback path
+    # aot_eager's decompositions may reorder a softmax's float sums.
+    return path == "kernels" and backend != "inductor"
+
+
+# ----------------------------------------------------------------------- the cases
+def _key_padding(B: int, Lk: int) -> torch.Tensor:
+    """(B, 1, 1, Lk) boolean: the last batch entry keeps 11 keys, the others all."""
+    lengths = torch.full((B,), Lk, device=DEVICE)
+    lengths[-1] = 11
+    return (torch.arange(Lk, device=DEVICE) < lengths[:, None])[:, None, None, :]
+
+
+def _inputs(case: str, dtype=torch.float32):
+    """q, k, v, their tangents and the SDPA keyword arguments of one attention call kind."""
+    B, H, Lq, Lk, E = 2, 2, 24, 20, 16
+    hkv, ev = (1, E) if case == "gqa" else (H, 24 if case == "ev" else E)
+    q = randn(B, H, Lq, E, dtype=dtype)
+    k = randn(B, hkv, Lk, E, dtype=dtype)
+    v = randn(B, hkv, Lk, ev, dtype=dtype)
+    kwargs = {
+        "plain": {},
+        "causal": {"is_causal": True},
+        "gqa": {"enable_gqa": True, "scale": 0.3},
+        "ev": {},
+        "key_padding": {"attn_mask": _key_padding(B, Lk)},
+        "additive": {"attn_mask": randn(1, H, Lq, Lk, dtype=dtype)},
+        "lower_right": {"attn_mask": causal_lower_right(Lq, Lk)},
+    }[case]  # fmt: skip
+    tangents = tuple(randn(*x.shape, dtype=dtype) for x in (q, k, v))
+    return q, k, v, tangents, kwargs
+
+
+CASES = ["plain", "causal", "gqa", "ev", "key_padding", "additive", "lower_right"]
+
+
+def _varlen_inputs():
+    cu = torch.tensor([0, 7, 7, 30], device=DEVICE, dtype=torch.int32)
+    q, k, v = (randn(30, 2, 16) for _ in range(3))
+    tangents = tuple(randn(*x.shape) for x in (q, k, v))
+    return q, k, v, tangents, cu
+
+
+def _varlen(q, k, v, cu):
+    return flash_jvp.varlen_attention(q, k, v, cu, cu, 23, 23, is_causal=True)
+
+
+# --------------------------------------------------------------- a) inference forward
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_forward_matches_eager(case, backend, path):
+    q, k, v, _, kw = _inputs(case)
+
+    def fn(q, k, v):
+        return flash_jvp.attention(q, k, v, **kw)
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    assert_same("o", compiled(q, k, v), fn(q, k, v), _exact(path, backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_varlen_matches_eager(backend, path):
+    """varlen_attention compiles without its host check of cu_seqlens (no data while
+    tracing); forward, tangent and gradients as eager."""
+    q, k, v, tangents, cu = _varlen_inputs()
+
+    def fn(q, k, v, q_t, k_t, v_t):
+        o, o_t = torch.func.jvp(lambda q, k, v: _varlen(q, k, v, cu), (q, k, v), (q_t, k_t, v_t))
+        return o, o_t
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    for name, a, b in zip(("o", "o_t"), compiled(q, k, v, *tangents), fn(q, k, v, *tangents)):
+        assert_same(name, a, b, _exact(path, backend))
+
+
+# --------------------------------------------------------- b) training forward + backward
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa", "additive"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_training_matches_eager(case, backend, path):
+    """Compiled loss (fullgraph), eager .backward(): gradients of q, k, v (and of an additive
+    mask that requires grad) equal the eager ones."""
+    q, k, v, _, kw = _inputs(case)
+    target = randn(*q.shape[:-1], v.shape[-1])
+
+    def loss(q, k, v, mask):
+        extra = {} if mask is None else {"attn_mask": mask}
+        return (flash_jvp.attention(q, k, v, **{**kw, **extra}) - target).square().mean()
+
+    mask = kw.pop("attn_mask", None)
+    grads = {}
+    for name, fn in (("eager", loss), ("compiled", torch.compile(loss, backend=backend,
+                                                                 fullgraph=True))):  # fmt: skip
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        m = None if mask is None else mask.clone().requires_grad_()
+        fn(*leaves, m).backward()
+        grads[name] = [x.grad for x in leaves] + ([] if m is None else [m.grad])
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"), grads["compiled"], grads["eager"]):
+        assert_same(name, a, b, _exact(path, backend))
+
+
+# --------------------------------------------------------------------- c) forward mode
+def _ref_tangent(q, k, v, tangents, kw):
+    """o_t of float64 math SDPA (what o_t must be; a zero tangent fails it)."""
+    do = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device)
+    return reference.sdpa_outputs(q, k, v, tangents, do, **kw).o_t
+
+
+@pytest.mark.parametrize("subset", ["qkv", "q", "kv"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_jvp_matches_eager(case, subset, backend, path):
+    """torch.compile(fullgraph) of a function calling torch.func.jvp through flash_jvp: o and
+    o_t equal eager, and o_t matches float64 math SDPA (never a silent zero)."""
+    q, k, v, tangents, kw = _inputs(case)
+    tangents = tuple(t if n in subset else torch.zeros_like(t) for n, t in zip("qkv", tangents))
+
+    def fn(q, k, v, q_t, k_t, v_t):
+        return torch.func.jvp(lambda q, k, v: flash_jvp.attention(q, k, v, **kw), (q, k, v),
+                              (q_t, k_t, v_t))  # fmt: skip
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    (o, o_t), (o_e, o_t_e) = compiled(q, k, v, *tangents), fn(q, k, v, *tangents)
+    assert_same("o", o, o_e, _exact(path, backend))
+    assert_same("o_t", o_t, o_t_e, _exact(path, backend))
+    assert_close_rel("o_t vs float64", o_t, _ref_tangent(q, k, v, tangents, kw), 1e-4)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in plain ops: torch.compile cannot trace F.layer_norm/rms_norm under jvp."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: Linear q/k/v, flash_jvp attention, GELU MLP."""
+
+    def __init__(self, dim: int = 32, heads: int = 2, norm=RMSNorm, attention=None):
+        super().__init__()
+        self.heads = heads
+        self.attention = attention or flash_jvp.attention
+        self.norm1, self.norm2 = norm(dim), norm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        B, L, D = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, L, 3, self.heads, D // self.heads).unbind(2)
+        a = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, L, D))
+        return x + self.mlp(self.norm2(x))
+
+
+def _block_inputs(dtype=torch.float32, trainable: bool = True):
+    model = Block().to(DEVICE, dtype).requires_grad_(trainable)
+    x, x_t = randn(2, 24, 32, dtype=dtype), randn(2, 24, 32, dtype=dtype)
+    return model, x, x_t
+
+
+def _math_block(model: Block) -> Block:
+    """The same weights with math SDPA as attention, in float64."""
+    twin = Block(attention=reference.math_sdpa).to(DEVICE, torch.float64)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_jvp_through_block(backend, path):
+    """Linear, plain-op RMSNorm, GELU and flash_jvp under one torch.func.jvp, compiled.
+    (Frozen weights: with trainable ones AOTAutograd also traces the backward through the
+    returned tangent, which the kernels refuse as yet; the sCM step below, which detaches it
+    inside the compiled loss, trains.)"""
+    model, x, x_t = _block_inputs(trainable=False)
+
+    def fn(x, x_t):
+        return torch.func.jvp(model, (x,), (x_t,))
+
+    (y, y_t), (y_e, y_t_e) = torch.compile(fn, backend=backend, fullgraph=True)(x, x_t), fn(x, x_t)
+    assert_same("y", y, y_e, _exact(path, backend))
+    assert_same("y_t", y_t, y_t_e, _exact(path, backend))
+    ref = torch.func.jvp(_math_block(model), (x.double(),), (x_t.double(),))[1]
+    assert_close_rel("y_t vs float64", y_t, ref, 1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jvp_of_compiled_model(backend, path):
+    """torch.func.jvp of a compiled model (Dynamo does not trace under an outer functorch
+    transform and runs the model eagerly): tangent equals eager."""
+    model, x, x_t = _block_inputs()
+    compiled = torch.compile(model, backend=backend)
+    y_t = torch.func.jvp(compiled, (x,), (x_t,))[1]
+    assert_same("y_t", y_t, torch.func.jvp(model, (x,), (x_t,))[1], path == "kernels")
+
+
+# ------------------------------------------------------------------------ d) sCM step
+def _scm_loss(model, x, x_t):
+    """sCM/MeanFlow-style: a JVP through the model, a loss on pred and dpred.detach()."""
+    pred, dpred = torch.func.jvp(model, (x,), (x_t,))
+    return (pred - x).square().mean() + (pred - dpred.detach()).square().mean()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_scm_step_matches_eager(backend, path):
+    """The loss (jvp + loss) compiled with fullgraph, backward eager: loss and every
+    parameter gradient equal the eager step's, and match float64 math SDPA."""
+    model, x, x_t = _block_inputs()
+    results = []
+    for fn in (_scm_loss, torch.compile(_scm_loss, backend=backend, fullgraph=True)):
+        model.zero_grad()
+        loss = fn(model, x, x_t)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    assert_same("loss", loss_c, loss_e, _exact(path, backend))
+    for (name, _), a, b in zip(model.named_parameters(), grads_c, grads_e):
+        assert_same(f"grad {name}", a, b, _exact(path, backend))
+    twin = _math_block(model)
+    _scm_loss(twin, x.double(), x_t.double()).backward()
+    for (name, p), g in zip(twin.named_parameters(), grads_c):
+        assert_close_rel(f"grad {name} vs float64", g, p.grad, 1e-4)
+
+
+def test_no_graph_breaks(path):
+    """torch._dynamo.explain: inference, training loss, jvp and the sCM loss trace as one
+    graph each, with no break caused by flash_jvp."""
+    model, x, x_t = _block_inputs()
+    q, k, v, tangents, kw = _inputs("key_padding")
+    fns = {
+        "inference": (lambda q, k, v: flash_jvp.attention(q, k, v, **kw), (q, k, v)),
+        "training": (lambda x: model(x).square().mean(), (x,)),
+        "jvp": (lambda x, x_t: torch.func.jvp(model, (x,), (x_t,)), (x, x_t)),
+        "sCM": (lambda x, x_t: _scm_loss(model, x, x_t), (x, x_t)),
+    }
+    for name, (fn, args) in fns.items():
+        explained = torch._dynamo.explain(fn)(*args)
+        assert explained.graph_break_count == 0, (name, explained.break_reasons)
+        assert explained.graph_count == 1, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_sequence_length(backend, path):
+    """compile(dynamic=True): one compiled jvp serves several sequence lengths, each equal to
+    eager."""
+
+    def fn(q, k, v, q_t, k_t, v_t):
+        return torch.func.jvp(lambda q, k, v: flash_jvp.attention(q, k, v, is_causal=True),
+                              (q, k, v), (q_t, k_t, v_t))  # fmt: skip
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
+    for L in (17, 40, 33):
+        q, k, v = (randn(1, 2, L, 16) for _ in range(3))
+        tangents = tuple(randn(*q.shape) for _ in range(3))
+        for name, a, b in zip(("o", "o_t"), compiled(q, k, v, *tangents), fn(q, k, v, *tangents)):
+            assert_same(f"{name} L={L}", a, b, _exact(path, backend))
+
+
+# ------------------------------------------------------ what compile does not take over
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_grad_and_vmap_transforms(backend, path):
+    """Inside torch.compile (fullgraph), torch.func.grad, and jvp of grad, around flash_jvp
+    give the eager results (on the kernel path through the PyTorch composite: inside an op's
+    kernel functorch masks the dispatch key its autograd.Function support needs); vmap
+    compiles onto the kernels."""
+    q, k, v, (q_t, _, _), _ = _inputs("plain")
+
+    def grad_q(q, k, v, attention=flash_jvp.attention):
+        return torch.func.grad(lambda q: attention(q, k, v).square().sum())(q)
+
+    def jvp_grad_q(q, k, v, q_t, attention=flash_jvp.attention):
+        return torch.func.jvp(lambda q: grad_q(q, k, v, attention), (q,), (q_t,))[1]
+
+    for fn, args in ((grad_q, (q, k, v)), (jvp_grad_q, (q, k, v, q_t))):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+        assert_close_rel(fn.__name__, compiled, fn(*args), 1e-5)
+        ref = fn(*(x.double() for x in args), attention=reference.math_sdpa)
+        assert_close_rel(f"{fn.__name__} vs float64", compiled, ref, 1e-4)
+
+    def batched(q, k, v):
+        return torch.vmap(flash_jvp.attention)(q, k, v)
+
+    qb, kb, vb = (torch.stack([x, x.flip(0)]) for x in (q, k, v))
+    compiled = torch.compile(batched, backend=backend, fullgraph=True)
+    assert_same("vmap o", compiled(qb, kb, vb), batched(qb, kb, vb), _exact(path, backend))
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args), None
+    except Exception as err:  # noqa: BLE001 - the outcome is what is compared
+        return None, type(err)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if CUDA else []))
+def test_layer_norm_under_compiled_jvp_same_as_without_flash_jvp(backend, path):
+    """F.layer_norm under a compiled torch.func.jvp fails inside torch on some versions (torch
+    2.11: TorchRuntimeError at layer_norm) with no flash_jvp in the model. With flash_jvp the
+    outcome is the same: the same exception type, or, where torch traces it, tangents equal to
+    eager's."""
+    x, x_t = randn(2, 24, 32), randn(2, 24, 32)
+    outcomes = []
+    for attention in (reference.attention_ref, flash_jvp.attention):
+        torch._dynamo.reset()
+        model = Block(norm=nn.LayerNorm, attention=attention).to(DEVICE)
+        fn = torch.compile(lambda x, x_t, m=model: torch.func.jvp(m, (x,), (x_t,)),
+                           backend=backend)  # fmt: skip
+        result, error = _outcome(fn, x, x_t)
+        if error is None:
+            assert_close_rel("y_t", result[1], torch.func.jvp(model, (x,), (x_t,))[1], 1e-5)
+        outcomes.append(error)
+    assert outcomes[0] == outcomes[1], outcomes
+
+
+def test_forward_ad_dual_inside_compile_same_as_without_flash_jvp(path):
+    """forward_ad dual tensors into a compiled function: torch's compiled autograd.Function
+    has no jvp (NotImplementedError) for any model; flash_jvp neither adds nor hides a
+    failure (and eagerly the duals work)."""
+    x, x_t = randn(2, 24, 32), randn(2, 24, 32)
+    outcomes = []
+    for attention in (reference.attention_ref, flash_jvp.attention):
+        torch._dynamo.reset()
+        model = Block(attention=attention).to(DEVICE)
+        with torch.autograd.forward_ad.dual_level():
+            result, error = _outcome(
+                torch.compile(model, backend="aot_eager"),
+                torch.autograd.forward_ad.make_dual(x, x_t),
+            )
+            if error is None:
+                tangent = torch.autograd.forward_ad.unpack_dual(result).tangent
+                assert_close_rel("y_t", tangent, torch.func.jvp(model, (x,), (x_t,))[1], 1e-5)
+        outcomes.append(error)
+    assert outcomes[0] == outcomes[1], outcomes
+
+
+# ------------------------------------------------------------------------ opcheck
+def _op_cases():
+    q, k, v, (q_t, k_t, v_t), _ = _inputs("plain")
+    mask = randn(1, 2, 24, 20)
+    bool_mask = randn(2, 1, 1, 20) > -0.5
+    qp, kp, vp, tp, cu = _varlen_inputs()
+    fwd = torch.ops.flash_jvp.attn_fwd.default
+    dense = (0.25, None, None, None, 0, 0)
+    yield "fwd", fwd, (q, k, v, None, None, None, None, None, *dense)
+    yield "fwd_tangents", fwd, (q, k, v, q_t, None, v_t, None, None, 0.25, 0, None, None, 0, 0)
+    yield "fwd_bool_mask", fwd, (q, k, v, None, k_t, None, bool_mask, None, *dense)
+    yield "fwd_additive", fwd, (q, k, v, q_t, k_t, v_t, mask, mask.clone(), *dense)
+    yield "fwd_gqa_ev", fwd, (q, k[:, :1], randn(2, 1, 20, 8), q_t, None, None, None, None, *dense)
+    yield "fwd_varlen", fwd, (qp, kp, vp, *tp, None, None, 0.25, 0, cu, cu, 23, 23)
+    o, _, lse = fwd(q, k, v, None, None, None, mask, None, *dense)
+    do = randn(*o.shape)
+    bwd = torch.ops.flash_jvp.attn_bwd.default
+    yield "bwd", bwd, (do, q, k, v, o, lse, None, 0.25, 0, None, None, 0, 0, False)
+    yield "bwd_mask_grad", bwd, (do, q, k, v, o, lse, mask, *dense, True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    attn = torch.ops.flash_jvp.attention.default
+    yield "attention", attn, (*leaves, None, 0.25, 0, None, None, 0, 0)
+    yield "attention_mask", attn, (*leaves, mask.clone().requires_grad_(), *dense)
+
+
+@pytest.mark.skipif(not KERNELS, reason="the ops run the Triton kernels")
+@pytest.mark.parametrize("name", [name for name, *_ in _op_cases()])
+def test_opcheck(name):
+    """torch.library.opcheck: schema, autograd registration, fake (meta) implementation
+    against the real outputs' shapes/dtypes/strides, AOT dispatch with dynamic shapes."""
+    op, args = next((op, args) for n, op, args in _op_cases() if n == name)
+    torch.library.opcheck(op, args)
+
+
+# ------------------------------------------------------------ activation checkpointing
+def test_checkpoint_reverse_mode(path):
+    """torch.utils.checkpoint (use_reentrant=False) of a block calling flash_jvp: gradients
+    equal the un-checkpointed ones."""
+    model, x, _ = _block_inputs()
+    grads = []
+    for fn in (model, lambda x: checkpoint(model, x, use_reentrant=False)):
+        model.zero_grad()
+        leaf = x.clone().requires_grad_()
+        fn(leaf).square().mean().backward()
+        grads.append([leaf.grad] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert_same("grad", a, b, path == "kernels")
+
+
+@pytest.mark.parametrize("step", ["jvp", "scm"])
+def test_checkpoint_forward_mode_same_as_without_flash_jvp(step, path):
+    """torch.func.jvp through a checkpointed block (and the sCM step, jvp + backward): correct
+    where torch supports it, and otherwise the same error as with plain-op attention (torch
+    2.13: jvp works, the sCM step raises CheckpointError; torch 2.11: NotImplementedError, the
+    checkpoint Function has no jvp)."""
+    x, x_t = randn(2, 24, 32), randn(2, 24, 32)
+    outcomes = []
+    for attention in (reference.attention_ref, flash_jvp.attention):
+        model = Block(attention=attention).to(DEVICE)
+        ckpt = lambda x, m=model: checkpoint(m, x, use_reentrant=False)  # noqa: E731
+
+        def run(ckpt=ckpt, model=model):
+            if step == "jvp":
+                return torch.func.jvp(ckpt, (x,), (x_t,))[1]
+            _scm_loss(ckpt, x, x_t).backward()
+            return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+        result, error = _outcome(run)
+        if error is None:
+            plain = lambda x, m=model: m(x)  # noqa: E731
+            model.zero_grad()
+            expected = (
+                torch.func.jvp(plain, (x,), (x_t,))[1]
+                if step == "jvp"
+                else (_scm_loss(plain, x, x_t).backward(),
+                      torch.cat([p.grad.flatten() for p in model.parameters()]))[1]
+            )  # fmt: skip
+            assert_close_rel(step, result, expected, 1e-5)
+        outcomes.append(error)
+    assert outcomes[0] == outcomes[1], outcomes
+
+
+# ------------------------------------------------------------------------- GPU tier
+@gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_inductor_modes_bf16_block(mode):
+    """Inductor in each mode, fullgraph: inference, training gradients, jvp and the sCM step
+    of a bf16-autocast block (fp32 weights) equal eager within bf16 rounding, and the tangent
+    matches float64 math SDPA within the bf16 rule."""
+    model, x, x_t = _block_inputs()
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+
+    def infer(x):
+        with autocast():
+            return model(x)
+
+    def jvp(x, x_t):
+        with autocast():
+            return torch.func.jvp(model, (x,), (x_t,))[1]
+
+    def scm(x, x_t):
+        with autocast():
+            return _scm_loss(model, x, x_t)
+
+    for name, fn, args in (("infer", infer, (x,)), ("jvp", jvp, (x, x_t))):
+        compiled = torch.compile(fn, mode=mode, fullgraph=True)
+        for _ in range(3):  # reduce-overhead records, then replays its CUDA graph
+            out = compiled(*args)
+        assert_close_rel(name, out.float(), fn(*args).float(), 2e-2)
+    compiled = torch.compile(scm, mode=mode, fullgraph=True)
+    for fn in (scm, compiled):
+        model.zero_grad()
+        for _ in range(3 if fn is compiled else 1):
+            model.zero_grad()
+            loss = fn(x, x_t)
+            loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        if fn is scm:
+            eager_loss, eager_grads = loss.detach().float(), grads
+    assert_close_rel("loss", loss.detach().float(), eager_loss, 2e-2)
+    assert_close_rel("grads", grads, eager_grads, 5e-2)
+    ref = torch.func.jvp(_math_block(model), (x.double(),), (x_t.double(),))[1]
+    assert_close_rel("y_t vs float64", jvp(x, x_t).float(), ref, 3e-2)
+
+
+@gpu
+def test_cuda_graph_scm_training_step():
+    """The whole sCM step (jvp + loss + backward + Adam step, capturable) captured in one CUDA
+    graph replays the eager steps: the same losses and parameters after each step (the
+    recipe in README: warm up on a side stream, static inputs, copy new data in)."""
+    torch.manual_seed(0)
+    model, x, x_t = _block_inputs()
+    twin = Block().to(DEVICE)
+    twin.load_state_dict(model.state_dict())
+    data = [(randn(*x.shape), randn(*x_t.shape)) for _ in range(4)]
+
+    def make_step(model):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+
+        def step(x, x_t):
+            opt.zero_grad(set_to_none=False)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = _scm_loss(model, x, x_t)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    eager_step = make_step(twin)
+    eager = [eager_step(*d) for d in data]
+
+    graph_step = make_step(model)
+    static_x, static_x_t = data[0][0].clone(), data[0][1].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    # warm up (compiles the kernels, allocates optimizer state) on a side stream: this
+    # warm-up step is the graph's first step, so the graph then replays steps 2..n
+    with torch.cuda.stream(side):
+        graphed = [graph_step(static_x, static_x_t)]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = graph_step(static_x, static_x_t)
+    # capturing ran no kernels: the state is still that after step 1
+    for d in data[1:]:
+        static_x.copy_(d[0])
+        static_x_t.copy_(d[1])
+        graph.replay()
+        graphed.append(static_loss.clone())
+    torch.testing.assert_close(torch.stack(graphed), torch.stack(eager), rtol=1e-5, atol=1e-6)
+    for (name, p), p_e in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, p_e, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@gpu
+def test_varlen_captures_in_cuda_graph():
+    """varlen_attention skips its host check of cu_seqlens while a CUDA graph captures, so a
+    packed-batch jvp captures and replays as eager."""
+    q, k, v, tangents, cu = _varlen_inputs()
+
+    def step():
+        return torch.func.jvp(lambda q, k, v: _varlen(q, k, v, cu), (q, k, v), tangents)
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    for name, a, b in zip(("o", "o_t"), out, eager):
+        assert torch.equal(a, b), name
