@@ -66,8 +66,21 @@ def test_encoder_layer_with_dropout_in_training(monkeypatch):
     assert _rel(y, expected) <= TOL
 
 
-@pytest.mark.skipif(not _utils.INTERPRET, reason="the interpreter's float64 refusal")
-def test_float64_handed_back_under_interpreter(monkeypatch):
+def test_encoder_layer_inference_fast_path_not_reached(monkeypatch):
+    """In eval mode without grad, nn.TransformerEncoderLayer takes torch's fused inference
+    path, which never calls F.scaled_dot_product_attention (as patch_sdpa documents)."""
+    layer = torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True).to(DEVICE).eval()
+    log = count_served(monkeypatch)
+    with flash_jvp.patch_sdpa(), torch.no_grad():
+        layer(torch.randn(2, 8, 32, device=DEVICE))
+    assert log == []
+
+
+@pytest.mark.skipif(
+    not _utils.uses_kernels(torch.device(DEVICE)),
+    reason="the kernels' float64 refusal (TRITON_INTERPRET=1 or CUDA); the CPU fallback serves it",
+)
+def test_float64_handed_back_by_the_kernels(monkeypatch):
     q, k, v = (x.double() for x in _qkv())
     assert flash_jvp.supports(q, k, v)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -21,11 +21,12 @@ from integration_helpers import (
     via_patch_sdpa,
 )
 
-pytestmark = pytest.mark.skipif(
-    not CUDA,
-    reason="timm needs torchvision, whose PyPI build fails to import beside torch 2.13's CPU "
-    "build (operator torchvision::nms does not exist): the timm tests run on CUDA",
-)
+if not CUDA:
+    pytest.skip(
+        "timm needs torchvision, whose PyPI build fails to import beside torch 2.13's CPU "
+        "build (operator torchvision::nms does not exist): the timm tests run on CUDA",
+        allow_module_level=True,
+    )
 B = 2
 
 

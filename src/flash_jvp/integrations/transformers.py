@@ -85,7 +85,7 @@ def jvp_attention_forward(
         if kwargs.get(name) is not None:
             raise NotImplementedError(
                 f"attn_implementation={ATTN_IMPLEMENTATION!r} does not support {name} "
-                f"(got {name}={kwargs[name]!r}; {_REFUSED[name]}); use 'eager' for this model."
+                f"({_REFUSED[name]}), which this model passes; use 'eager' for it."
             )
     if kwargs.get("position_bias") is not None or kwargs.get("output_attentions"):
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
