@@ -7,6 +7,7 @@ packed variable-length batches.
 """
 
 from .api import attention, scaled_dot_product_attention, supports, varlen_attention
+from .integrations.sdpa import patch_sdpa as patch_sdpa
 
 __version__ = "0.1.0"
 __all__ = [
