@@ -349,3 +349,125 @@ def sdpa_outputs(
     return run_outputs(
         fn, cast(q), cast(k), cast(v), tuple(cast(t) for t in tangents), cast(do), **kwargs
     )
+
+
+def attention_tangent_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_t: Tensor | None,
+    k_t: Tensor | None,
+    v_t: Tensor | None,
+    mask: Tensor | None,
+    mask_t: Tensor | None,
+    do: Tensor | None,
+    do_t: Tensor | None,
+    spec: Spec,
+    dlse: Tensor | None = None,
+    dmu: Tensor | None = None,
+    mask_grad: bool = False,
+    mask_t_grad: bool = False,
+) -> tuple[Tensor | None, ...]:
+    """Reverse mode through attention and its JVP: the gradients of
+    ``sum(o * do) + sum(o_t * do_t) + sum(lse * dlse) + sum(mu * dmu)`` with respect to q, k,
+    v, their tangents and (an additive) mask and its tangent, in closed form.
+
+    Here o = P v, lse = logsumexp(S), P = softmax(S), S = scale q k^T [+ mask], and along the
+    tangents S_t = scale (q_t k^T + q k_t^T) [+ mask_t], mu = rowsum(P o S_t) (the tangent
+    of lse), P_t = P o (S_t - mu), o_t = P_t v + P v_t (see :func:`attention_jvp`). With the
+    per-row statistics
+
+        delta = rowsum(do o o) + rowsum(do_t o o_t) - dlse,
+        gamma = rowsum(do_t o o) - dmu,
+
+    the score gradients are
+
+        dS_t = P o (do_t v^T - gamma),
+        dS   = P o (do v^T + do_t v_t^T - delta) + dS_t o (S_t - mu),
+
+    and the inputs' gradients follow from S and S_t being bilinear in (q, k) and (q_t, k_t):
+
+        dq   = scale (dS k + dS_t k_t),     dq_t = scale dS_t k,
+        dk   = scale (dS^T q + dS_t^T q_t), dk_t = scale dS_t^T q,
+        dv   = P^T do + P_t^T do_t,         dv_t = P^T do_t,
+        dmask = dS, dmask_t = dS_t (summed over the mask's broadcast dims).
+
+    Derivation (ours, checked against float64 autograd in tests/test_reference.py): from
+    o_t = P_t v + P v_t, dP_t = do_t v^T and dP gains do_t v_t^T; P_t = P o (S_t - mu) gives
+    dS_t = P o (dP_t - rowsum(P o dP_t)), where rowsum(P o do_t v^T) = rowsum(do_t o o),
+    and dP gains dP_t o (S_t - mu) - S_t rowsum(do_t o o) (mu = rowsum(P o S_t) depends on
+    P). The softmax backward dS = P o (dP - rowsum(P o dP)) then subtracts, beside the
+    usual rowsum(do o o), rowsum(do_t o o_t) - mu rowsum(do_t o o) (the first two terms of dP
+    sum to o_t against do_t). Collecting dP_t o (S_t - mu) - S_t gamma + mu gamma =
+    (dP_t - gamma) o (S_t - mu) turns the issue's form into the centred one above: no
+    product of S_t with a row constant is left to cancel against another. A cotangent of
+    lse adds P dlse to dS; one of mu adds P dmu to dS_t (and so dS_t o (S_t - mu) to dS).
+
+    Computed in float32 (float64 stays float64); None tangents and cotangents count as zero.
+    Returns (dq, dk, dv, dq_t, dk_t, dv_t, dmask, dmask_t): dq..dv_t shaped and typed like q,
+    k, v (GQA: summed over each kv head's group), dq_t/dk_t/dv_t None where the tangent is
+    None, dmask/dmask_t None unless ``mask_grad`` / ``mask_t_grad``. Shapes as
+    :func:`attention_ref`, or packed (total, H, E) with ``spec.varlen`` (dlse, dmu then
+    (H, total_q)). Materialises the (Lq, Lk) scores: the fused kernels' oracle and the path
+    for tensors wrapped by torch.func transforms.
+    """
+    if spec.varlen:
+        return _varlen_tangent_bwd(q, k, v, q_t, k_t, v_t, do, do_t, spec, dlse, dmu)
+    dtype = _compute_dtype(q.dtype)
+    hq, hkv = q.shape[-3], k.shape[-3]
+    q_, k_, v_ = q.to(dtype), _expand_kv(k.to(dtype), hq), _expand_kv(v.to(dtype), hq)
+    q_t_, k_t_, v_t_ = _tangents(dtype, hq, ((q_t, q_, False), (k_t, k_, True), (v_t, v_, True)))
+    o_shape = (*q.shape[:-1], v.shape[-1])
+    do_ = q_.new_zeros(o_shape) if do is None else do.to(dtype)
+    do_t_ = q_.new_zeros(o_shape) if do_t is None else do_t.to(dtype)
+
+    p = _softmax_probs(q_, k_, spec.scale, spec.causal_offset, mask, torch.finfo(q.dtype).min)
+    s_t = _tangent_scores(q_, k_, q_t_, k_t_, mask_t, spec.scale)
+    s_t = torch.where(p == 0, 0.0, s_t)  # masked keys: keep inf/NaN of a mask_t out
+    mu = (p * s_t).sum(-1, keepdim=True)
+    p_t = p * (s_t - mu)
+    o, o_t = p @ v_, p_t @ v_ + p @ v_t_
+    delta = (do_ * o).sum(-1, keepdim=True) + (do_t_ * o_t).sum(-1, keepdim=True)
+    gamma = (do_t_ * o).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.to(dtype)[..., None]
+    if dmu is not None:
+        gamma = gamma - dmu.to(dtype)[..., None]
+    ds_t = p * (do_t_ @ v_.transpose(-2, -1) - gamma)
+    dp = do_ @ v_.transpose(-2, -1) + do_t_ @ v_t_.transpose(-2, -1)
+    ds = p * (dp - delta) + ds_t * (s_t - mu)
+
+    scale = spec.scale
+    dq = scale * (ds @ k_ + ds_t @ k_t_)
+    dk = scale * (ds.transpose(-2, -1) @ q_ + ds_t.transpose(-2, -1) @ q_t_)
+    dv = p.transpose(-2, -1) @ do_ + p_t.transpose(-2, -1) @ do_t_
+    dq_t = scale * (ds_t @ k_)
+    dk_t = scale * (ds_t.transpose(-2, -1) @ q_)
+    dv_t = p.transpose(-2, -1) @ do_t_
+    kv = (k.dtype, hkv)
+    out = (
+        dq.to(q.dtype), _kv_grad(dk, *kv), _kv_grad(dv, v.dtype, hkv),
+        None if q_t is None else dq_t.to(q.dtype),
+        None if k_t is None else _kv_grad(dk_t, *kv),
+        None if v_t is None else _kv_grad(dv_t, v.dtype, hkv),
+        ds.sum_to_size(mask.shape).to(mask.dtype) if mask_grad else None,
+        ds_t.sum_to_size(mask.shape).to(mask.dtype) if mask_t_grad else None,
+    )  # fmt: skip
+    return out
+
+
+def _kv_grad(x: Tensor, dtype: torch.dtype, hkv: int) -> Tensor:
+    return _sum_groups(x, hkv).to(dtype)
+
+
+def _varlen_tangent_bwd(q, k, v, q_t, k_t, v_t, do, do_t, spec: Spec, dlse, dmu):
+    """:func:`attention_tangent_bwd` of packed (total, H, E) sequences: one dense problem
+    over all tokens with a block-diagonal mask, (H, total, E) views."""
+    seq_q, pos_q = _seq_positions(spec.cu_seqlens_q, q.shape[0])
+    seq_k, pos_k = _seq_positions(spec.cu_seqlens_k, k.shape[0])
+    mask = seq_q[:, None] == seq_k[None, :]
+    if spec.causal_offset is not None:
+        mask = mask & (pos_k[None, :] <= pos_q[:, None])
+    rows = [None if x is None else x.transpose(0, 1) for x in (q, k, v, q_t, k_t, v_t, do, do_t)]
+    grads = attention_tangent_bwd(*rows[:6], mask, None, *rows[6:], Spec(spec.scale), dlse, dmu)
+    return tuple(None if g is None else g.transpose(0, 1) for g in grads[:6]) + (None, None)
