@@ -79,10 +79,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 _STRIDE_NAMES = {
     prefix: tuple(f"stride_{prefix}{n}" for n in names)
     for names, prefixes in (
-        (("b", "h", "m", "n"), ("m", "mt", "g")),  # masks: (b, h, query row, key)
+        (("b", "h", "m", "n"), ("m", "mt", "g", "gt")),  # masks: (b, h, query row, key)
         (("b", "h", "g"), ("r",)),  # tile-range tables: (b, h, group)
-        (("b", "h", "m", "d"), ("q", "o", "qt", "ot", "do", "dq")),
-        (("b", "h", "n", "d"), ("k", "v", "kt", "vt", "dk", "dv")),
+        # dt: dO_t, the cotangent of o_t
+        (("b", "h", "m", "d"), ("q", "o", "qt", "ot", "do", "dq", "dt", "dqt")),
+        (("b", "h", "n", "d"), ("k", "v", "kt", "vt", "dk", "dv", "dkt", "dvt")),
     )
     for prefix in prefixes
 }
@@ -379,67 +380,159 @@ def attn_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients dq, dk, dv (shaped and typed like q, k, v) of sum(o * do), and with
     ``mask_grad`` that of the additive mask (shaped and typed like it; else None)."""
+    n = None
+    grads = attn_bwd_tangent(do, n, q, k, v, n, n, n, o, n, lse, n, mask, n, spec,
+                             mask_grad=mask_grad)  # fmt: skip
+    return grads[0], grads[1], grads[2], grads[6]
+
+
+def attn_bwd_tangent(
+    do: Tensor | None,
+    do_t: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_t: Tensor | None,
+    k_t: Tensor | None,
+    v_t: Tensor | None,
+    o: Tensor,
+    o_t: Tensor | None,
+    lse: Tensor,
+    mu: Tensor | None,
+    mask: Tensor | None,
+    mask_t: Tensor | None,
+    spec: Spec,
+    *,
+    dlse: Tensor | None = None,
+    dmu: Tensor | None = None,
+    mask_grad: bool = False,
+    mask_t_grad: bool = False,
+    tangent_grads: bool = True,
+) -> tuple[Tensor | None, ...]:
+    """Reverse mode through the fused forward: the gradients of sum(o * do) + sum(o_t * do_t)
+    [+ sum(lse * dlse) + sum(mu * dmu)] (see kernels/bwd.py and
+    reference.attention_tangent_bwd for the math).
+
+    q_t, k_t, v_t, mask_t: the forward's tangents (None = zero); o, o_t, lse, mu: its outputs
+    (o_t where do_t is given, mu where a tangent of the scores (q_t, k_t or mask_t) is);
+    do, do_t, dlse, dmu: cotangents (None = zero; dlse and mu laid out like lse). Returns
+    (dq, dk, dv, dq_t, dk_t, dv_t, dmask, dmask_t): shaped and typed like q, k, v, their
+    tangents (None where the tangent is None, where neither do_t nor dmu is given, or without
+    ``tangent_grads``) and the additive mask (float32 sums cast to its dtype; None unless
+    ``mask_grad`` / ``mask_t_grad``).
+    """
     lay = _Layout.of(q, k, v, spec)
-    dq = _empty(q.shape, q)
-    dk = _empty(k.shape, k)
-    dv = _empty(v.shape, v)
-    dmask = torch.zeros(mask.shape, device=q.device, dtype=torch.float32) if mask_grad else None
-    if q.numel() == 0 or k.numel() == 0 or lay.B == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), _cast(dmask, mask)
+    has_tangent = any(t is not None for t in (q_t, k_t, v_t, mask_t))
+    tangent = has_tangent and (do_t is not None or dmu is not None)
+    tangent_s = tangent and any(t is not None for t in (q_t, k_t, mask_t))
+    if tangent_s and mu is None:
+        raise ValueError("flash_jvp: the tangent backward needs mu, the forward's lse tangent")
+    if tangent and do_t is not None and o_t is None:
+        raise ValueError("flash_jvp: the tangent backward needs o_t with do_t")
+    grad_t = tangent and tangent_grads
+    dq, dk, dv = _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
+    dq_t, dk_t, dv_t = (_empty(x.shape, x) if grad_t and t is not None else None
+                        for x, t in ((q, q_t), (k, k_t), (v, v_t)))  # fmt: skip
+    # dmask_t stays zero without a tangent of the scores (dS_t never reaches it then)
+    dmask, dmask_t = (_zeros_f32(mask) if need else None for need in (mask_grad, mask_t_grad))
+    grads = (dq, dk, dv, dq_t, dk_t, dv_t)
+    nothing = do is None and dlse is None and not tangent
+    if q.numel() == 0 or k.numel() == 0 or lay.B == 0 or nothing:
+        zeros = (None if x is None else x.zero_() for x in grads)
+        return (*zeros, _cast(dmask, mask), _cast(dmask_t, mask))
     tiles = _tile_args(lay)
-    lse = lse.contiguous()  # the kernels index it by rows; vmap may hand us a view
+    lse = lse.contiguous()  # the kernels index it (and the other row statistics) by rows
+    mu = mu.contiguous() if tangent_s else None
     delta = _empty(lse.shape, q, torch.float32)
+    gamma = _empty(lse.shape, q, torch.float32) if tangent else None
+    if not tangent:
+        do_t = o_t = None
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (
         _view(x, spec, lay.B) for x in (q, k, v, o, do, dq, dk, dv)
     )
+    q_t4, k_t4, v_t4, o_t4, do_t4, dq_t4, dk_t4, dv_t4 = (
+        _view(x, spec, lay.B) if tangent else None
+        for x in (q_t, k_t, v_t, o_t, do_t, dq_t, dk_t, dv_t)
+    )
     seqlens = _seqlens(spec, lse)
     attn_bwd_preprocess_kernel[(_cdiv(lay.Lq, configs.PREPROCESS_BLOCK_M), lay.B * lay.H)](
-        O=o4, DO=do4, DELTA=delta, CU_SEQLENS_Q=seqlens["CU_SEQLENS_Q"],
-        **_strides(o4, "o"), **_strides(do4, "do"), **_lse_strides(lse, spec),
+        O=o4, DO=_or(do4, o4), DELTA=delta, O_T=_or(o_t4, o4), DO_T=_or(do_t4, o4),
+        GAMMA=_or(gamma, delta), CU_SEQLENS_Q=seqlens["CU_SEQLENS_Q"],
+        **_strides(o4, "o"), **_strides(do4, "do"), **_strides(o_t4, "ot"),
+        **_strides(do_t4, "dt"), **_lse_strides(lse, spec),
         H=lay.H, Lq=lay.Lq, DV=lay.DV, HEAD_DIM_V=_pow2(lay.DV),
-        BLOCK_M=configs.PREPROCESS_BLOCK_M, VARLEN=spec.varlen,
-        STRIDE_ALIGN=_stride_align(o4, do4),
+        BLOCK_M=configs.PREPROCESS_BLOCK_M, VARLEN=spec.varlen, HAS_DO=do is not None,
+        HAS_DO_T=do_t is not None, HAS_O_T=o_t is not None,
+        STRIDE_ALIGN=_stride_align(o4, do4, o_t4, do_t4),
     )  # fmt: skip
+    if dlse is not None:  # dS gains P * dlse
+        delta -= dlse
+    if tangent and dmu is not None:  # dS_t gains P * dmu
+        gamma = -dmu if do_t is None else gamma - dmu
+    elif tangent and do_t is None:
+        gamma = torch.zeros_like(delta)
     mask_min = torch.finfo(q.dtype).min
+    mask_t_full = (
+        mask_t.expand(lay.B, lay.H, lay.Lq, lay.Lk) if tangent_s and mask_t is not None else None
+    )
+    flags = dict(
+        IS_CAUSAL=spec.causal_offset is not None, VARLEN=spec.varlen,
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_DO=do is not None, TANGENT=tangent,
+        HAS_DO_T=do_t is not None, HAS_Q_T=q_t4 is not None, HAS_K_T=k_t4 is not None,
+        HAS_V_T=v_t4 is not None, HAS_MASK_T=mask_t_full is not None, GRAD_T=grad_t,
+    )  # fmt: skip
     common = dict(
-        Q=q4, K=k4, V=v4, DO=do4, LSE=lse, DELTA=delta, **seqlens,
+        Q=q4, K=k4, V=v4, DO=_or(do4, q4), LSE=lse, DELTA=delta, **seqlens,
+        Q_T=_or(q_t4, q4), K_T=_or(k_t4, k4), V_T=_or(v_t4, v4), DO_T=_or(do_t4, q4),
+        MASK_T=_or(mask_t_full, q4), GAMMA=_or(gamma, lse), MU=_or(mu, lse),
         **_strides(q4, "q"), **_strides(k4, "k"), **_strides(v4, "v"), **_strides(do4, "do"),
+        **_strides(q_t4, "qt"), **_strides(k_t4, "kt"), **_strides(v_t4, "vt"),
+        **_strides(do_t4, "dt"), **_strides(mask_t_full, "mt"),
         **_lse_strides(lse, spec), scale=spec.scale, mask_min=mask_min,
         causal_offset=spec.causal_offset or 0, H=lay.H, GROUP=lay.H // lay.H_KV,
-        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, **tiles,
-        IS_CAUSAL=spec.causal_offset is not None, VARLEN=spec.varlen,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        STRIDE_ALIGN=_stride_align(q4, k4, v4, do4, dq4, dk4, dv4),
+        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, **tiles, **flags,
+        STRIDE_ALIGN=_stride_align(q4, k4, v4, do4, dq4, dk4, dv4, q_t4, k_t4, v_t4, do_t4,
+                                   dq_t4, dk_t4, dv_t4),
     )  # fmt: skip
     tile = _tile_width(tiles)
     dkdv_mask = _mask_args(mask, lay, mask_min, by_keys=True)
     dkdv_mask.setdefault("MASK", q4)
     dkdv_mask.setdefault("Q_RANGES", lse)
-    key = (tuple(tiles.values()), q.dtype, common["IS_CAUSAL"], common["DOT_PRECISION"],
-           spec.varlen, mask_kind(mask), q.device.index)  # fmt: skip
+    key = (tuple(tiles.values()), q.dtype, spec.varlen, mask_kind(mask), q.device.index,
+           tuple(flags.values()))  # fmt: skip
     for split in _mask_splits(mask):
         _launch(
             attn_bwd_dkdv_kernel,
             lambda c: (_cdiv(lay.Lk, c.BLOCK_N), lay.B * lay.H_KV),
-            configs.bwd_dkdv(tile, q.dtype),
+            configs.bwd_dkdv(tile, q.dtype, tangent),
             ("dkdv", split) + key,
-            DK=dk4, DV_OUT=dv4, **_strides(dk4, "dk"), **_strides(dv4, "dv"), H_KV=lay.H_KV,
-            MASK_SPLIT=split, **dkdv_mask, **common,
+            DK=dk4, DV_OUT=dv4, DK_T=_or(dk_t4, dk4), DV_T=_or(dv_t4, dv4),
+            **_strides(dk4, "dk"), **_strides(dv4, "dv"), **_strides(dk_t4, "dkt"),
+            **_strides(dv_t4, "dvt"), H_KV=lay.H_KV, MASK_SPLIT=split, **dkdv_mask, **common,
         )  # fmt: skip
-    dq_mask = _mask_args(mask, lay, mask_min, by_keys=False, grad=mask_grad)
+    dq_mask = _mask_args(mask, lay, mask_min, by_keys=False, grad=mask_grad or mask_t_grad)
     dq_mask.setdefault("MASK", q4)
     dq_mask.setdefault("KV_RANGES", lse)
-    dmask_full = None if dmask is None else dmask.expand(lay.B, lay.H, lay.Lq, lay.Lk)
+    dmask_full, dmask_t_full = (None if g is None else g.expand(lay.B, lay.H, lay.Lq, lay.Lk)
+                                for g in (dmask, dmask_t))  # fmt: skip
     for split in _mask_splits(mask):
         _launch(
             attn_bwd_dq_kernel,
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
-            configs.bwd_dq(tile, q.dtype),
-            ("dq", mask_grad, split) + key,
-            DQ=dq4, DMASK=_or(dmask_full, lse), MASK_GRAD=mask_grad, MASK_SPLIT=split,
-            **_strides(dq4, "dq"), **_strides(dmask_full, "g"), **dq_mask, **common,
+            configs.bwd_dq(tile, q.dtype, tangent),
+            ("dq", mask_grad, mask_t_grad, split) + key,
+            DQ=dq4, DMASK=_or(dmask_full, lse), DQ_T=_or(dq_t4, dq4),
+            DMASK_T=_or(dmask_t_full, lse), MASK_GRAD=mask_grad,
+            MASK_T_GRAD=mask_t_grad and tangent_s, MASK_SPLIT=split,
+            **_strides(dq4, "dq"), **_strides(dmask_full, "g"), **_strides(dq_t4, "dqt"),
+            **_strides(dmask_t_full, "gt"), **dq_mask, **common,
         )  # fmt: skip
-    return dq, dk, dv, _cast(dmask, mask)
+    return (*grads, _cast(dmask, mask), _cast(dmask_t, mask))
+
+
+def _zeros_f32(mask: Tensor) -> Tensor:
+    """A zeroed float32 gradient buffer shaped like ``mask`` (the kernels add into it)."""
+    return torch.zeros(mask.shape, device=mask.device, dtype=torch.float32)
 
 
 def _cast(dmask: Tensor | None, mask: Tensor | None) -> Tensor | None:

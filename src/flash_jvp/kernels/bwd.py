@@ -1,19 +1,41 @@
-"""Attention backward: FlashAttention-2 style (Dao, 2023, Alg. 2), two kernels.
+"""Attention backward: FlashAttention-2 style (Dao, 2023, Alg. 2), two kernels, optionally
+through the forward-mode tangent as well (reverse mode through o_t, and double backward).
 
 With P = exp(scale * q k^T - lse) rebuilt from the saved log-sum-exp:
 
     dV = P^T dO,   dP = dO V^T,   delta = rowsum(dO o O),
     dS = P o (dP - delta),   dQ = scale * dS K,   dK = scale * dS^T Q.
 
+With a tangent (TANGENT): the cotangent G = dO_t of o_t = P_t V + P V_t (and/or one of mu,
+lse's tangent) enters too, where S_t = scale (Q_t K^T + Q K_t^T) [+ mask_t], mu =
+rowsum(P o S_t) (saved by the forward) and P_t = P o (S_t - mu). The preprocess gives
+
+    delta = rowsum(dO o O) + rowsum(G o O_t) [- dlse],   gamma = rowsum(G o O) [- dmu],
+
+and per tile
+
+    dS_t = P o (G V^T - gamma),
+    dS   = P o (dO V^T + G V_t^T - delta) + dS_t o (S_t - mu),
+    dQ  += scale (dS K + dS_t K_t),     dQ_t += scale dS_t K,
+    dK  += scale (dS^T Q + dS_t^T Q_t), dK_t += scale dS_t^T Q,
+    dV  += P^T dO + P_t^T G,            dV_t += P^T G,
+
+(reference.attention_tangent_bwd has the derivation; checked against float64 autograd). That
+is 12 GEMMs per tile in the dK/dV kernel and 9 in the dQ kernel against the primal's 4 and 3;
+every per-row statistic is O(L) (mu stored by the forward: recomputing it would need another
+pass over the keys, 3 GEMMs per tile). Missing tangents and cotangents are compile-time
+switches, so the primal backward compiles exactly as without them.
+
 `attn_bwd_dkdv_kernel` owns one key block and walks the query blocks of every query head of
 its group (so GQA sums dK/dV over the group without atomics); `attn_bwd_dq_kernel` owns one
-query block and walks the key blocks. dq, dk, dv are deterministic (no atomics).
+query block and walks the key blocks. dq, dk, dv and their tangents' gradients are
+deterministic (no atomics).
 
 Out-of-range query rows read lse = +inf (so P = 0) and dO = 0; fully masked rows (lse = -inf)
 are mapped to +inf the same way, so they contribute nothing. An attn_mask is applied as in the
-forward, with the same block skipping; the gradient of an additive mask is dS itself, summed
-over the mask's broadcast dims with fp32 atomic adds by the dq kernel. Packed batches
-(VARLEN) as in the forward.
+forward, with the same block skipping; the gradient of an additive mask is dS itself (that of
+its tangent dS_t), summed over the mask's broadcast dims with fp32 atomic adds by the dq
+kernel. Packed batches (VARLEN) as in the forward.
 """
 
 import triton
@@ -41,6 +63,9 @@ def attn_bwd_preprocess_kernel(
     O,
     DO,
     DELTA,
+    O_T,
+    DO_T,
+    GAMMA,
     CU_SEQLENS_Q,
     stride_ob,
     stride_oh,
@@ -50,6 +75,14 @@ def attn_bwd_preprocess_kernel(
     stride_doh,
     stride_dom,
     stride_dod,
+    stride_otb,
+    stride_oth,
+    stride_otm,
+    stride_otd,
+    stride_dtb,
+    stride_dth,
+    stride_dtm,
+    stride_dtd,
     stride_lb,
     stride_lh,
     H,
@@ -58,10 +91,15 @@ def attn_bwd_preprocess_kernel(
     HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
     VARLEN: tl.constexpr,
+    HAS_DO: tl.constexpr,
+    HAS_DO_T: tl.constexpr,
+    HAS_O_T: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
 ):
-    """delta = rowsum(o * do) in float32, laid out like lse. Grid: (cdiv(Lq, BLOCK_M), B * H)."""
+    """delta = rowsum(o * do) [+ rowsum(o_t * do_t)] and, with HAS_DO_T, gamma =
+    rowsum(o * do_t), in float32, laid out like lse. Grid: (cdiv(Lq, BLOCK_M), B * H)."""
     stride_om, stride_dom = aligned(stride_om, STRIDE_ALIGN), aligned(stride_dom, STRIDE_ALIGN)
+    stride_otm, stride_dtm = aligned(stride_otm, STRIDE_ALIGN), aligned(stride_dtm, STRIDE_ALIGN)
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
@@ -73,11 +111,22 @@ def attn_bwd_preprocess_kernel(
     offs_dv = tl.arange(0, HEAD_DIM_V)
     pad = DV != HEAD_DIM_V
     o = load_tile(O + off_b * stride_ob + off_h * stride_oh + q_start * stride_om, offs_m, offs_dv,
-                  stride_om, stride_od, Lq, DV, True, pad)  # fmt: skip
-    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom, offs_m,
-                   offs_dv, stride_dom, stride_dod, Lq, DV, True, pad)  # fmt: skip
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+                  stride_om, stride_od, Lq, DV, True, pad).to(tl.float32)  # fmt: skip
+    delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_DO:
+        do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom, offs_m,
+                       offs_dv, stride_dom, stride_dod, Lq, DV, True, pad)  # fmt: skip
+        delta = tl.sum(o * do.to(tl.float32), 1)
     row_base = off_b * stride_lb + off_h * stride_lh + q_start
+    if HAS_DO_T:
+        g = load_tile(DO_T + off_b * stride_dtb + off_h * stride_dth + q_start * stride_dtm,
+                      offs_m, offs_dv, stride_dtm, stride_dtd, Lq, DV, True, pad)  # fmt: skip
+        g = g.to(tl.float32)
+        tl.store(GAMMA + row_base + offs_m, tl.sum(o * g, 1), mask=offs_m < Lq)
+        if HAS_O_T:
+            o_t = load_tile(O_T + off_b * stride_otb + off_h * stride_oth + q_start * stride_otm,
+                            offs_m, offs_dv, stride_otm, stride_otd, Lq, DV, True, pad)  # fmt: skip
+            delta += tl.sum(o_t.to(tl.float32) * g, 1)
     tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < Lq)
 
 
@@ -91,34 +140,100 @@ def _load_row_stats(LSE, DELTA, row_base, offs_m, Lq):
 
 
 @triton.jit
+def _load_tangent_stats(GAMMA, MU, row_base, offs_m, Lq, TANGENT: tl.constexpr):
+    """gamma and mu for query rows offs_m (0 outside; unused zeros without TANGENT)."""
+    if TANGENT:
+        gamma = tl.load(GAMMA + row_base + offs_m, mask=offs_m < Lq, other=0.0)
+        mu = tl.load(MU + row_base + offs_m, mask=offs_m < Lq, other=0.0)
+    else:
+        gamma = tl.zeros([offs_m.shape[0]], dtype=tl.float32)
+        mu = gamma
+    return gamma, mu
+
+
+@triton.jit
+def _tangent_scores(
+    a,
+    a2,
+    a_t,
+    a_t2,
+    b,
+    b2,
+    b_t,
+    b_t2,
+    mask_t,
+    scale,
+    TAIL: tl.constexpr,
+    HAS_A_T: tl.constexpr,
+    HAS_B_T: tl.constexpr,
+    HAS_MASK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """S_t = scale (a_t b^T + a b_t^T) [+ mask_t] for row tiles a (a2: tail columns) and b:
+    (query rows, keys) in the dQ kernel, transposed (keys, query rows) in the dK/dV one."""
+    if HAS_A_T:
+        s_t = dot_split(a_t, a_t2, b, b2, None, TAIL, DOT_PRECISION)
+        if HAS_B_T:
+            s_t = dot_split(a, a2, b_t, b_t2, s_t, TAIL, DOT_PRECISION)
+        s_t = s_t * scale
+    elif HAS_B_T:
+        s_t = dot_split(a, a2, b_t, b_t2, None, TAIL, DOT_PRECISION) * scale
+    else:
+        s_t = tl.zeros([a.shape[0], b.shape[0]], dtype=tl.float32)
+    if HAS_MASK_T:
+        s_t += mask_t.to(tl.float32)
+    return s_t
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(
     dk,
     dk2,
     dv,
     dv2,
+    dk_t,
+    dk_t2,
+    dv_t,
+    dv_t2,
     k,
     k2,
     v,
     v2,
+    k_t,
+    k_t2,
+    v_t,
+    v_t2,
     offs_n,
     q_base,
     do_base,
+    q_t_base,
+    do_t_base,
     mask_base,
+    mask_t_base,
     LSE,
     DELTA,
+    GAMMA,
+    MU,
     row_base,
     stride_qm,
     stride_qd,
     stride_dom,
     stride_dod,
+    stride_qtm,
+    stride_qtd,
+    stride_dtm,
+    stride_dtd,
     stride_mm,
     stride_mn,
+    stride_mtm,
+    stride_mtn,
     lo,
     hi,
     Lq,
     Lk,
     causal_offset,
     qk_scale,
+    scale,
     mask_min,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -131,33 +246,92 @@ def _attn_bwd_dkdv_inner(
     MASK_KIND: tl.constexpr,
     MASK_SAME_ROWS: tl.constexpr,
     MASK_SAME_COLS: tl.constexpr,
+    HAS_DO: tl.constexpr,
+    TANGENT: tl.constexpr,
+    HAS_DO_T: tl.constexpr,
+    HAS_Q_T: tl.constexpr,
+    HAS_K_T: tl.constexpr,
+    HAS_V_T: tl.constexpr,
+    HAS_MASK_T: tl.constexpr,
+    GRAD_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # Everything here is transposed ([BLOCK_N, BLOCK_M]: keys x query rows, names ending in
+    # T), so P^T and dS^T are never transposed in registers.
+    TANGENT_S: tl.constexpr = TANGENT and (HAS_Q_T or HAS_K_T or HAS_MASK_T)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q, q2 = load_split(q_base, offs_m, stride_qm, stride_qd, Lq, D, HEAD_DIM, HEAD_DIM_TAIL,
                            True)  # fmt: skip
-        do, do2 = load_split(do_base, offs_m, stride_dom, stride_dod, Lq, DV, HEAD_DIM_V,
-                             HEAD_DIM_V_TAIL, True)  # fmt: skip
         lse, delta = _load_row_stats(LSE, DELTA, row_base, offs_m, Lq)
-        # Transposed scores [BLOCK_N, BLOCK_M] so P^T is never transposed in registers.
-        qk_t = dot_split(k, k2, q, q2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
+        qkT = dot_split(k, k2, q, q2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
         if MASK:  # causal diagonal blocks only (key bounds never reach a stored row)
-            qk_t = tl.where(offs_m[None, :] + causal_offset >= offs_n[:, None], qk_t, float("-inf"))
+            qkT = tl.where(offs_m[None, :] + causal_offset >= offs_n[:, None], qkT, float("-inf"))
         if MASK_KIND != 0:  # the mask tile transposed: rows are keys, columns query rows
             vals = load_mask(mask_base, offs_n, offs_m, stride_mn, stride_mm, Lk, Lq,
                              MASK_SAME_COLS, MASK_SAME_ROWS)  # fmt: skip
-            qk_t = apply_mask(qk_t, vals, mask_min, MASK_KIND)
-        p_t = tl.math.exp2(qk_t - lse[None, :])
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        if HEAD_DIM_V_TAIL > 0:
-            dv2 = tl.dot(p_t.to(do.dtype), do2, dv2, input_precision=DOT_PRECISION)
-        dp_t = dot_split(v, v2, do, do2, None, HEAD_DIM_V_TAIL, DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+            qkT = apply_mask(qkT, vals, mask_min, MASK_KIND)
+        pT = tl.math.exp2(qkT - lse[None, :])
+        dpT = tl.zeros_like(pT)
+        if HAS_DO:
+            do, do2 = load_split(do_base, offs_m, stride_dom, stride_dod, Lq, DV, HEAD_DIM_V,
+                                 HEAD_DIM_V_TAIL, True)  # fmt: skip
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            if HEAD_DIM_V_TAIL > 0:
+                dv2 = tl.dot(pT.to(do.dtype), do2, dv2, input_precision=DOT_PRECISION)
+            dpT = dot_split(v, v2, do, do2, None, HEAD_DIM_V_TAIL, DOT_PRECISION)
+        if TANGENT:
+            gamma, mu = _load_tangent_stats(GAMMA, MU, row_base, offs_m, Lq, TANGENT)
+            q_t, q_t2 = q, q2
+            if HAS_Q_T:
+                q_t, q_t2 = load_split(q_t_base, offs_m, stride_qtm, stride_qtd, Lq, D, HEAD_DIM,
+                                       HEAD_DIM_TAIL, True)  # fmt: skip
+            mask_tT = qkT
+            if HAS_MASK_T:
+                mask_tT = load_mask(mask_t_base, offs_n, offs_m, stride_mtn, stride_mtm, Lk, Lq,
+                                    False, False)  # fmt: skip
+            # S_t - mu: the centred tangent scores (P_t = P o centred)
+            centred = _tangent_scores(k, k2, k_t, k_t2, q, q2, q_t, q_t2, mask_tT, scale,
+                                      HEAD_DIM_TAIL, HAS_K_T, HAS_Q_T, HAS_MASK_T,
+                                      DOT_PRECISION) - mu[None, :]  # fmt: skip
+            if HAS_DO_T:
+                g, g2 = load_split(do_t_base, offs_m, stride_dtm, stride_dtd, Lq, DV, HEAD_DIM_V,
+                                   HEAD_DIM_V_TAIL, True)  # fmt: skip
+                if TANGENT_S:  # dV += P_t^T G
+                    p_tT = (pT * centred).to(g.dtype)
+                    dv = tl.dot(p_tT, g, dv, input_precision=DOT_PRECISION)
+                    if HEAD_DIM_V_TAIL > 0:
+                        dv2 = tl.dot(p_tT, g2, dv2, input_precision=DOT_PRECISION)
+                if HAS_V_T:  # dV_t += P^T G; dP += G V_t^T
+                    if GRAD_T:
+                        dv_t = tl.dot(pT.to(g.dtype), g, dv_t, input_precision=DOT_PRECISION)
+                        if HEAD_DIM_V_TAIL > 0:
+                            dv_t2 = tl.dot(pT.to(g.dtype), g2, dv_t2,
+                                           input_precision=DOT_PRECISION)  # fmt: skip
+                    dpT = dot_split(v_t, v_t2, g, g2, dpT, HEAD_DIM_V_TAIL, DOT_PRECISION)
+            dsT = pT * (dpT - delta[None, :])
+            if TANGENT_S:
+                if HAS_DO_T:
+                    dp_tT = dot_split(v, v2, g, g2, None, HEAD_DIM_V_TAIL, DOT_PRECISION)
+                    ds_tT = pT * (dp_tT - gamma[None, :])
+                else:  # only mu's cotangent (gamma = -dmu)
+                    ds_tT = pT * (-gamma[None, :])
+                dsT += ds_tT * centred
+                if HAS_Q_T:  # dK += dS_t^T Q_t
+                    dk = tl.dot(ds_tT.to(q.dtype), q_t, dk, input_precision=DOT_PRECISION)
+                    if HEAD_DIM_TAIL > 0:
+                        dk2 = tl.dot(ds_tT.to(q.dtype), q_t2, dk2, input_precision=DOT_PRECISION)
+                if HAS_K_T and GRAD_T:  # dK_t += dS_t^T Q
+                    dk_t = tl.dot(ds_tT.to(q.dtype), q, dk_t, input_precision=DOT_PRECISION)
+                    if HEAD_DIM_TAIL > 0:
+                        dk_t2 = tl.dot(ds_tT.to(q.dtype), q2, dk_t2,
+                                       input_precision=DOT_PRECISION)  # fmt: skip
+        else:
+            dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         if HEAD_DIM_TAIL > 0:
-            dk2 = tl.dot(ds_t.to(q.dtype), q2, dk2, input_precision=DOT_PRECISION)
-    return dk, dk2, dv, dv2
+            dk2 = tl.dot(dsT.to(q.dtype), q2, dk2, input_precision=DOT_PRECISION)
+    return dk, dk2, dv, dv2, dk_t, dk_t2, dv_t, dv_t2
 
 
 @triton.jit
@@ -174,6 +348,15 @@ def attn_bwd_dkdv_kernel(
     Q_RANGES,
     CU_SEQLENS_Q,
     CU_SEQLENS_K,
+    Q_T,
+    K_T,
+    V_T,
+    DO_T,
+    MASK_T,
+    GAMMA,
+    MU,
+    DK_T,
+    DV_T,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -207,6 +390,34 @@ def attn_bwd_dkdv_kernel(
     stride_rg,
     stride_lb,
     stride_lh,
+    stride_qtb,
+    stride_qth,
+    stride_qtm,
+    stride_qtd,
+    stride_ktb,
+    stride_kth,
+    stride_ktn,
+    stride_ktd,
+    stride_vtb,
+    stride_vth,
+    stride_vtn,
+    stride_vtd,
+    stride_dtb,
+    stride_dth,
+    stride_dtm,
+    stride_dtd,
+    stride_mtb,
+    stride_mth,
+    stride_mtm,
+    stride_mtn,
+    stride_dktb,
+    stride_dkth,
+    stride_dktn,
+    stride_dktd,
+    stride_dvtb,
+    stride_dvth,
+    stride_dvtn,
+    stride_dvtd,
     scale,
     mask_min,
     causal_offset,
@@ -229,13 +440,31 @@ def attn_bwd_dkdv_kernel(
     MASK_SAME_COLS: tl.constexpr,
     MASK_SPLIT: tl.constexpr,
     VARLEN: tl.constexpr,
+    HAS_DO: tl.constexpr,
+    TANGENT: tl.constexpr,
+    HAS_DO_T: tl.constexpr,
+    HAS_Q_T: tl.constexpr,
+    HAS_K_T: tl.constexpr,
+    HAS_V_T: tl.constexpr,
+    HAS_MASK_T: tl.constexpr,
+    GRAD_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
 ):
-    """dk, dv for one [BLOCK_N] key block of one kv head. Grid: (cdiv(Lk, BLOCK_N), B * H_KV)."""
+    """dk, dv (with TANGENT and GRAD_T also dk_t, dv_t of the present tangents) for one
+    [BLOCK_N] key block of one kv head. Grid: (cdiv(Lk, BLOCK_N), B * H_KV).
+
+    TANGENT: the backward through the tangent too (module docstring); Q_T..MASK_T are the
+    forward's tangents (HAS_*), DO_T the cotangent of o_t (HAS_DO_T), GAMMA and MU per-row
+    statistics laid out like LSE. Without HAS_DO there is no cotangent of o (dO = 0).
+    """
     stride_qm, stride_dom = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_dom, STRIDE_ALIGN)
     stride_kn, stride_vn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_vn, STRIDE_ALIGN)
     stride_dkn, stride_dvn = aligned(stride_dkn, STRIDE_ALIGN), aligned(stride_dvn, STRIDE_ALIGN)
+    stride_qtm, stride_dtm = aligned(stride_qtm, STRIDE_ALIGN), aligned(stride_dtm, STRIDE_ALIGN)
+    stride_ktn, stride_vtn = aligned(stride_ktn, STRIDE_ALIGN), aligned(stride_vtn, STRIDE_ALIGN)
+    stride_dktn = aligned(stride_dktn, STRIDE_ALIGN)
+    stride_dvtn = aligned(stride_dvtn, STRIDE_ALIGN)
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND  # see fwd.py
     start_n = tl.program_id(0) * BLOCK_N
     pid_bhk = tl.program_id(1)
@@ -250,6 +479,15 @@ def attn_bwd_dkdv_kernel(
                        stride_kn, stride_kd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL, True)  # fmt: skip
     v, v2 = load_split(V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn, offs_n,
                        stride_vn, stride_vd, Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL, True)  # fmt: skip
+    k_t, k_t2, v_t, v_t2 = k, k2, v, v2  # the tangents' (unused where absent)
+    if TANGENT and HAS_K_T:
+        k_t, k_t2 = load_split(K_T + off_b * stride_ktb + off_hk * stride_kth
+                               + k_start * stride_ktn, offs_n, stride_ktn, stride_ktd, Lk, D,
+                               HEAD_DIM, HEAD_DIM_TAIL, True)  # fmt: skip
+    if TANGENT and HAS_V_T and HAS_DO_T:
+        v_t, v_t2 = load_split(V_T + off_b * stride_vtb + off_hk * stride_vth
+                               + k_start * stride_vtn, offs_n, stride_vtn, stride_vtd, Lk, DV,
+                               HEAD_DIM_V, HEAD_DIM_V_TAIL, True)  # fmt: skip
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     dk2, dv2 = dk, dv  # the tail columns' (unused without a tail)
@@ -257,6 +495,15 @@ def attn_bwd_dkdv_kernel(
         dk2 = tl.zeros([BLOCK_N, HEAD_DIM_TAIL], dtype=tl.float32)
     if HEAD_DIM_V_TAIL > 0:
         dv2 = tl.zeros([BLOCK_N, HEAD_DIM_V_TAIL], dtype=tl.float32)
+    dk_t, dk_t2, dv_t, dv_t2 = dk, dk2, dv, dv2  # the tangents' (unused without them)
+    if TANGENT and GRAD_T and HAS_K_T:
+        dk_t = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        if HEAD_DIM_TAIL > 0:
+            dk_t2 = tl.zeros([BLOCK_N, HEAD_DIM_TAIL], dtype=tl.float32)
+    if TANGENT and GRAD_T and HAS_V_T:
+        dv_t = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
+        if HEAD_DIM_V_TAIL > 0:
+            dv_t2 = tl.zeros([BLOCK_N, HEAD_DIM_V_TAIL], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     if IS_CAUSAL:
@@ -284,7 +531,10 @@ def attn_bwd_dkdv_kernel(
         row_base = off_b * stride_lb + off_h * stride_lh + q_start
         q_base = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
         do_base = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
+        q_t_base = Q_T + off_b * stride_qtb + off_h * stride_qth + q_start * stride_qtm
+        do_t_base = DO_T + off_b * stride_dtb + off_h * stride_dth + q_start * stride_dtm
         mask_base = MASK + off_b * stride_mb + off_h * stride_mh
+        mask_t_base = MASK_T + off_b * stride_mtb + off_h * stride_mth
         r_lo, r_hi, q_bound, _ = block_range(Q_RANGES, stride_rb, stride_rh, stride_rg, off_b,
                                              off_h, start_n, Lk, Lq, BLOCK_N, BLOCK_M, MASK_KIND,
                                              MASK_SPLIT)  # fmt: skip
@@ -297,12 +547,16 @@ def attn_bwd_dkdv_kernel(
                     if stage == 0
                     else tl.minimum(q_bound, r_hi)
                 )
-                dk, dk2, dv, dv2 = _attn_bwd_dkdv_inner(
-                    dk, dk2, dv, dv2, k, k2, v, v2, offs_n, q_base, do_base, mask_base, LSE,
-                    DELTA, row_base, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
-                    stride_mn, s_lo, s_hi, q_bound, Lk, causal_offset, qk_scale, mask_min,
-                    D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_M,
-                    stage == 0, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, DOT_PRECISION,
+                dk, dk2, dv, dv2, dk_t, dk_t2, dv_t, dv_t2 = _attn_bwd_dkdv_inner(
+                    dk, dk2, dv, dv2, dk_t, dk_t2, dv_t, dv_t2, k, k2, v, v2, k_t, k_t2, v_t,
+                    v_t2, offs_n, q_base, do_base, q_t_base, do_t_base, mask_base, mask_t_base,
+                    LSE, DELTA, GAMMA, MU, row_base, stride_qm, stride_qd, stride_dom,
+                    stride_dod, stride_qtm, stride_qtd, stride_dtm, stride_dtd, stride_mm,
+                    stride_mn, stride_mtm, stride_mtn, s_lo, s_hi, q_bound, Lk, causal_offset,
+                    qk_scale, scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
+                    HEAD_DIM_V_TAIL, BLOCK_M, stage == 0, LOOP_MASK_KIND, MASK_SAME_ROWS,
+                    MASK_SAME_COLS, HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T, HAS_V_T,
+                    HAS_MASK_T, GRAD_T, DOT_PRECISION,
                 )  # fmt: skip
 
     dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn
@@ -313,6 +567,14 @@ def attn_bwd_dkdv_kernel(
                 stride_dkd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
     store_split(dv_base, dv.to(dv_ty), dv2.to(dv_ty), offs_n, stride_dvn, stride_dvd, Lk, DV,
                 HEAD_DIM_V, HEAD_DIM_V_TAIL)  # fmt: skip
+    if TANGENT and GRAD_T and HAS_K_T:
+        dk_t_base = DK_T + off_b * stride_dktb + off_hk * stride_dkth + k_start * stride_dktn
+        store_split(dk_t_base, (dk_t * scale).to(dk_ty), (dk_t2 * scale).to(dk_ty), offs_n,
+                    stride_dktn, stride_dktd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
+    if TANGENT and GRAD_T and HAS_V_T:
+        dv_t_base = DV_T + off_b * stride_dvtb + off_hk * stride_dvth + k_start * stride_dvtn
+        store_split(dv_t_base, dv_t.to(dv_ty), dv_t2.to(dv_ty), offs_n, stride_dvtn,
+                    stride_dvtd, Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL)  # fmt: skip
 
 
 @triton.jit
@@ -344,31 +606,52 @@ def _add_mask_grad(
 def _attn_bwd_dq_inner(
     dq,
     dq2,
+    dq_t,
+    dq_t2,
     q,
     q2,
+    q_t,
+    q_t2,
     do,
     do2,
+    g,
+    g2,
     lse,
     delta,
+    gamma,
+    mu,
     offs_m,
     k_base,
     v_base,
+    k_t_base,
+    v_t_base,
     mask_base,
+    mask_t_base,
     dmask_base,
+    dmask_t_base,
     stride_kn,
     stride_kd,
     stride_vn,
     stride_vd,
+    stride_ktn,
+    stride_ktd,
+    stride_vtn,
+    stride_vtd,
     stride_mm,
     stride_mn,
+    stride_mtm,
+    stride_mtn,
     stride_gm,
     stride_gn,
+    stride_gtm,
+    stride_gtn,
     lo,
     hi,
     Lq,
     Lk,
     causal_offset,
     qk_scale,
+    scale,
     mask_min,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -383,8 +666,18 @@ def _attn_bwd_dq_inner(
     MASK_SAME_ROWS: tl.constexpr,
     MASK_SAME_COLS: tl.constexpr,
     MASK_GRAD: tl.constexpr,
+    HAS_DO: tl.constexpr,
+    TANGENT: tl.constexpr,
+    HAS_DO_T: tl.constexpr,
+    HAS_Q_T: tl.constexpr,
+    HAS_K_T: tl.constexpr,
+    HAS_V_T: tl.constexpr,
+    HAS_MASK_T: tl.constexpr,
+    GRAD_T: tl.constexpr,
+    MASK_T_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    TANGENT_S: tl.constexpr = TANGENT and (HAS_Q_T or HAS_K_T or HAS_MASK_T)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, k2 = load_split(k_base, offs_n, stride_kn, stride_kd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL,
@@ -400,15 +693,53 @@ def _attn_bwd_dq_inner(
                              MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
             qk = apply_mask(qk, vals, mask_min, MASK_KIND)
         p = tl.math.exp2(qk - lse[:, None])
-        dp = dot_split(do, do2, v, v2, None, HEAD_DIM_V_TAIL, DOT_PRECISION)
+        if HAS_DO:
+            dp = dot_split(do, do2, v, v2, None, HEAD_DIM_V_TAIL, DOT_PRECISION)
+        else:
+            dp = tl.zeros_like(p)
+        k_t, k_t2 = k, k2
+        if TANGENT:
+            if HAS_K_T:
+                k_t, k_t2 = load_split(k_t_base, offs_n, stride_ktn, stride_ktd, Lk, D, HEAD_DIM,
+                                       HEAD_DIM_TAIL, MASK)  # fmt: skip
+            if HAS_DO_T and HAS_V_T:  # dP += G V_t^T
+                v_t, v_t2 = load_split(v_t_base, offs_n, stride_vtn, stride_vtd, Lk, DV,
+                                       HEAD_DIM_V, HEAD_DIM_V_TAIL, MASK)  # fmt: skip
+                dp = dot_split(g, g2, v_t, v_t2, dp, HEAD_DIM_V_TAIL, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        ds_t = ds  # dS_t (unused without a tangent of the scores)
+        if TANGENT_S:
+            mask_t = qk
+            if HAS_MASK_T:
+                mask_t = load_mask(mask_t_base, offs_m, offs_n, stride_mtm, stride_mtn, Lq, Lk,
+                                   False, False)  # fmt: skip
+            s_t = _tangent_scores(q, q2, q_t, q_t2, k, k2, k_t, k_t2, mask_t, scale,
+                                  HEAD_DIM_TAIL, HAS_Q_T, HAS_K_T, HAS_MASK_T,
+                                  DOT_PRECISION)  # fmt: skip
+            if HAS_DO_T:
+                dp_t = dot_split(g, g2, v, v2, None, HEAD_DIM_V_TAIL, DOT_PRECISION)
+                ds_t = p * (dp_t - gamma[:, None])
+            else:  # only mu's cotangent (gamma = -dmu)
+                ds_t = p * (-gamma[:, None])
+            ds += ds_t * (s_t - mu[:, None])
+            if MASK_T_GRAD:  # d loss / d (the additive mask's tangent) = dS_t
+                _add_mask_grad(dmask_t_base, ds_t, offs_m, offs_n, stride_gtm, stride_gtn, Lq,
+                               Lk, MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
+            if HAS_K_T:  # dQ += dS_t K_t
+                dq = tl.dot(ds_t.to(k.dtype), k_t, dq, input_precision=DOT_PRECISION)
+                if HEAD_DIM_TAIL > 0:
+                    dq2 = tl.dot(ds_t.to(k.dtype), k_t2, dq2, input_precision=DOT_PRECISION)
+            if HAS_Q_T and GRAD_T:  # dQ_t += dS_t K
+                dq_t = tl.dot(ds_t.to(k.dtype), k, dq_t, input_precision=DOT_PRECISION)
+                if HEAD_DIM_TAIL > 0:
+                    dq_t2 = tl.dot(ds_t.to(k.dtype), k2, dq_t2, input_precision=DOT_PRECISION)
         if MASK_GRAD:  # d loss / d (additive mask) = dS
             _add_mask_grad(dmask_base, ds, offs_m, offs_n, stride_gm, stride_gn, Lq, Lk,
                            MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         if HEAD_DIM_TAIL > 0:
             dq2 = tl.dot(ds.to(k.dtype), k2, dq2, input_precision=DOT_PRECISION)
-    return dq, dq2
+    return dq, dq2, dq_t, dq_t2
 
 
 @triton.jit
@@ -425,6 +756,15 @@ def attn_bwd_dq_kernel(
     KV_RANGES,
     CU_SEQLENS_Q,
     CU_SEQLENS_K,
+    Q_T,
+    K_T,
+    V_T,
+    DO_T,
+    MASK_T,
+    GAMMA,
+    MU,
+    DQ_T,
+    DMASK_T,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -458,6 +798,34 @@ def attn_bwd_dq_kernel(
     stride_rg,
     stride_lb,
     stride_lh,
+    stride_qtb,
+    stride_qth,
+    stride_qtm,
+    stride_qtd,
+    stride_ktb,
+    stride_kth,
+    stride_ktn,
+    stride_ktd,
+    stride_vtb,
+    stride_vth,
+    stride_vtn,
+    stride_vtd,
+    stride_dtb,
+    stride_dth,
+    stride_dtm,
+    stride_dtd,
+    stride_mtb,
+    stride_mth,
+    stride_mtm,
+    stride_mtn,
+    stride_dqtb,
+    stride_dqth,
+    stride_dqtm,
+    stride_dqtd,
+    stride_gtb,
+    stride_gth,
+    stride_gtm,
+    stride_gtn,
     scale,
     mask_min,
     causal_offset,
@@ -480,16 +848,30 @@ def attn_bwd_dq_kernel(
     MASK_GRAD: tl.constexpr,
     MASK_SPLIT: tl.constexpr,
     VARLEN: tl.constexpr,
+    HAS_DO: tl.constexpr,
+    TANGENT: tl.constexpr,
+    HAS_DO_T: tl.constexpr,
+    HAS_Q_T: tl.constexpr,
+    HAS_K_T: tl.constexpr,
+    HAS_V_T: tl.constexpr,
+    HAS_MASK_T: tl.constexpr,
+    GRAD_T: tl.constexpr,
+    MASK_T_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
 ):
-    """dq (and the additive mask's gradient) for one [BLOCK_M] query block.
+    """dq (and the additive mask's gradient; with TANGENT and GRAD_T also dq_t, with
+    MASK_T_GRAD that of the mask's tangent) for one [BLOCK_M] query block.
 
-    Grid: (cdiv(Lq, BLOCK_M), B * H). DMASK: float32, zeroed, broadcast like MASK (stride_g*).
+    Grid: (cdiv(Lq, BLOCK_M), B * H). DMASK, DMASK_T: float32, zeroed, broadcast like MASK
+    (stride_g*, stride_gt*). Tangent arguments as in attn_bwd_dkdv_kernel.
     """
     stride_qm, stride_dom = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_dom, STRIDE_ALIGN)
     stride_kn, stride_vn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_vn, STRIDE_ALIGN)
     stride_dqm = aligned(stride_dqm, STRIDE_ALIGN)
+    stride_qtm, stride_dtm = aligned(stride_qtm, STRIDE_ALIGN), aligned(stride_dtm, STRIDE_ALIGN)
+    stride_ktn, stride_vtn = aligned(stride_ktn, STRIDE_ALIGN), aligned(stride_vtn, STRIDE_ALIGN)
+    stride_dqtm = aligned(stride_dqtm, STRIDE_ALIGN)
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND  # see fwd.py
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
@@ -503,19 +885,40 @@ def attn_bwd_dq_kernel(
 
     q, q2 = load_split(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm, offs_m,
                        stride_qm, stride_qd, Lq, D, HEAD_DIM, HEAD_DIM_TAIL, True)  # fmt: skip
-    do, do2 = load_split(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom,
-                         offs_m, stride_dom, stride_dod, Lq, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL,
-                         True)  # fmt: skip
+    do, do2 = q, q  # dO (unused without HAS_DO)
+    if HAS_DO:
+        do, do2 = load_split(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom,
+                             offs_m, stride_dom, stride_dod, Lq, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL,
+                             True)  # fmt: skip
+    q_t, q_t2, g, g2 = q, q2, do, do2  # the tangent's and dO_t (unused where absent)
+    if TANGENT and HAS_Q_T:
+        q_t, q_t2 = load_split(Q_T + off_b * stride_qtb + off_h * stride_qth
+                               + q_start * stride_qtm, offs_m, stride_qtm, stride_qtd, Lq, D,
+                               HEAD_DIM, HEAD_DIM_TAIL, True)  # fmt: skip
+    if TANGENT and HAS_DO_T:
+        g, g2 = load_split(DO_T + off_b * stride_dtb + off_h * stride_dth + q_start * stride_dtm,
+                           offs_m, stride_dtm, stride_dtd, Lq, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL,
+                           True)  # fmt: skip
     row_base = off_b * stride_lb + off_h * stride_lh + q_start
     lse, delta = _load_row_stats(LSE, DELTA, row_base, offs_m, Lq)
+    gamma, mu = _load_tangent_stats(GAMMA, MU, row_base, offs_m, Lq, TANGENT)
     k_base = K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
     v_base = V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
+    k_t_base = K_T + off_b * stride_ktb + off_hk * stride_kth + k_start * stride_ktn
+    v_t_base = V_T + off_b * stride_vtb + off_hk * stride_vth + k_start * stride_vtn
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh
+    mask_t_base = MASK_T + off_b * stride_mtb + off_h * stride_mth
     dmask_base = DMASK + off_b * stride_gb + off_h * stride_gh
+    dmask_t_base = DMASK_T + off_b * stride_gtb + off_h * stride_gth
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq2 = dq  # the tail columns' (unused without HEAD_DIM_TAIL)
     if HEAD_DIM_TAIL > 0:
         dq2 = tl.zeros([BLOCK_M, HEAD_DIM_TAIL], dtype=tl.float32)
+    dq_t, dq_t2 = dq, dq2  # the tangent's (unused without it)
+    if TANGENT and GRAD_T and HAS_Q_T:
+        dq_t = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if HEAD_DIM_TAIL > 0:
+            dq_t2 = tl.zeros([BLOCK_M, HEAD_DIM_TAIL], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     lo, hi, k_bound, run = block_range(
@@ -528,15 +931,23 @@ def attn_bwd_dq_kernel(
     for stage in tl.static_range(2):  # unmasked key blocks first
         s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
         s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
-        dq, dq2 = _attn_bwd_dq_inner(
-            dq, dq2, q, q2, do, do2, lse, delta, offs_m, k_base, v_base, mask_base, dmask_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_gm, stride_gn,
-            s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale, mask_min,
-            D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_N, stage == 1,
-            IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD, DOT_PRECISION,
+        dq, dq2, dq_t, dq_t2 = _attn_bwd_dq_inner(
+            dq, dq2, dq_t, dq_t2, q, q2, q_t, q_t2, do, do2, g, g2, lse, delta, gamma, mu,
+            offs_m, k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base, dmask_base,
+            dmask_t_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_ktn, stride_ktd,
+            stride_vtn, stride_vtd, stride_mm, stride_mn, stride_mtm, stride_mtn, stride_gm,
+            stride_gn, stride_gtm, stride_gtn, s_lo, s_hi, Lq, k_bound, causal_offset,
+            qk_scale, scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
+            HEAD_DIM_V_TAIL, BLOCK_N, stage == 1, IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS,
+            MASK_SAME_COLS, MASK_GRAD, HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T, HAS_V_T,
+            HAS_MASK_T, GRAD_T, MASK_T_GRAD, DOT_PRECISION,
         )  # fmt: skip
 
     dq_ty = DQ.dtype.element_ty
     store_split(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm,
                 (dq * scale).to(dq_ty), (dq2 * scale).to(dq_ty), offs_m, stride_dqm, stride_dqd,
                 Lq, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
+    if TANGENT and GRAD_T and HAS_Q_T:
+        store_split(DQ_T + off_b * stride_dqtb + off_h * stride_dqth + q_start * stride_dqtm,
+                    (dq_t * scale).to(dq_ty), (dq_t2 * scale).to(dq_ty), offs_m, stride_dqtm,
+                    stride_dqtd, Lq, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip

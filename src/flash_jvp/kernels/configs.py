@@ -69,6 +69,17 @@ _BEST = {
         "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3, maxnreg=128),
         96: Config(64, 64, 4, 3), 128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2),
     },
+    # The backward through the tangent too (TANGENT): twice the accumulators (dk, dv, dk_t,
+    # dv_t; dq, dq_t) and four times the input tiles of the primal kernels, so half the
+    # tile rows per warp. Not tuned on a GPU yet: benchmarks/tune.py --tangent picks them.
+    "bwd_dkdv+t": {
+        "fp32": Config(16, 32, 4, 1), 64: Config(32, 64, 4, 2), 96: Config(32, 64, 4, 2),
+        128: Config(32, 64, 8, 2), 256: Config(16, 32, 4, 1),
+    },
+    "bwd_dq+t": {
+        "fp32": Config(32, 16, 4, 1), 64: Config(64, 64, 4, 2), 96: Config(64, 32, 4, 2),
+        128: Config(64, 32, 4, 2), 256: Config(32, 32, 4, 1),
+    },
 }  # fmt: skip
 # Short key ranges (Lk <= SHORT_LK, e.g. DiT at 256 px): few key blocks per program, so
 # smaller query blocks (more programs) win; measured with benchmarks/tune.py.
@@ -95,12 +106,13 @@ def fwd(width: int, dtype: torch.dtype, tangent: bool, short: bool) -> list[Conf
     return _candidates("fwd+jvp" if tangent else "fwd", width, dtype, short)
 
 
-def bwd_dkdv(width: int, dtype: torch.dtype) -> list[Config]:
-    return _candidates("bwd_dkdv", width, dtype)
+def bwd_dkdv(width: int, dtype: torch.dtype, tangent: bool = False) -> list[Config]:
+    """dK/dV kernel candidates; ``tangent``: its variant through the tangent (TANGENT)."""
+    return _candidates("bwd_dkdv+t" if tangent else "bwd_dkdv", width, dtype)
 
 
-def bwd_dq(width: int, dtype: torch.dtype) -> list[Config]:
-    return _candidates("bwd_dq", width, dtype)
+def bwd_dq(width: int, dtype: torch.dtype, tangent: bool = False) -> list[Config]:
+    return _candidates("bwd_dq+t" if tangent else "bwd_dq", width, dtype)
 
 
 PREPROCESS_BLOCK_M = 64
