@@ -116,11 +116,14 @@ def _compile_report(kernel, sig, consts, attrs, options) -> str:
             f"WARPSYNC {sass.count('WARPSYNC')}{flags}")  # fmt: skip
 
 
-def problems(E: int, dtype: torch.dtype):
-    """(name, callable running attn_fwd with tangents and attn_bwd) per mask/layout case."""
+def problems(E: int, dtype: torch.dtype, tangent: bool = False):
+    """(name, callable running attn_fwd with tangents and attn_bwd) per mask/layout case;
+    with ``tangent`` the backward through the tangent (attn_bwd_tangent) instead of the
+    forwards and the primal backward."""
     B, H, L = 2, 4, 1024
     q, k, v, o, do, q_t, k_t, v_t = (torch.empty(B, H, L, E, dtype=dtype) for _ in range(8))
     lse = torch.zeros(B, H, L)
+    mu = torch.zeros(B, H, L)
     scale = E**-0.5
     pad = (torch.arange(L) < L - 100).expand(B, 1, 1, L)
     bias = torch.zeros(1, H, L, L, dtype=dtype)
@@ -128,6 +131,12 @@ def problems(E: int, dtype: torch.dtype):
 
     def dense(mask, spec):
         def run():
+            if tangent:  # o, o_t stand in for do, do_t
+                mask_t = None if mask is not bias else bias
+                _ops.attn_bwd_tangent(do, o, q, k, v, q_t, k_t, v_t, o, o, lse, mu, mask, mask_t,
+                                      spec, mask_grad=mask is bias,
+                                      mask_t_grad=mask is bias)  # fmt: skip
+                return
             _ops.attn_fwd(q, k, v, q_t, k_t, v_t, mask, None, spec)
             _ops.attn_fwd(q, k, v, None, None, None, mask, None, spec)
             _ops.attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad=mask is bias)
@@ -137,6 +146,21 @@ def problems(E: int, dtype: torch.dtype):
     def packed():
         pk = [x.transpose(1, 2).reshape(B * L, H, E) for x in (q, k, v, o, do, q_t, k_t, v_t)]
         spec = Spec(scale, 0, cu, cu, L, L)
+        if tangent:
+            _ops.attn_bwd_tangent(
+                pk[4],
+                pk[3],
+                *pk[:3],
+                *pk[5:],
+                pk[3],
+                pk[3],
+                torch.zeros(H, B * L),
+                torch.zeros(H, B * L),
+                None,
+                None,
+                spec,
+            )
+            return
         _ops.attn_fwd(*pk[:3], *pk[5:], None, None, spec)
         _ops.attn_bwd(pk[4], *pk[:4], torch.zeros(H, B * L), None, spec)
 
@@ -149,17 +173,24 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="bf16, E = 64 and 128 only")
     parser.add_argument("--dims", type=int, nargs="+", help="head dims (default: a spread)")
+    parser.add_argument(
+        "--tangent",
+        action="store_true",
+        help="the backward through the tangent (reverse mode through o_t)",
+    )
     args = parser.parse_args()
     dims = args.dims or ((64, 128) if args.quick else (16, 64, 72, 80, 96, 128, 160, 256))
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
     for dtype in dtypes:
         for e in dims:
             base_regs = {}
-            for name, problem in problems(e, dtype):
+            for name, problem in problems(e, dtype, args.tangent):
                 for kernel, cfg, kargs in record(problem):
                     res = compile_launch(kernel, cfg, kargs)
                     label = kernel.fn.__name__.replace("attn_", "").replace("_kernel", "")
-                    if kargs.get("HAS_Q_T"):
+                    if kargs.get("TANGENT"):
+                        label += "+t"
+                    elif kargs.get("HAS_Q_T"):
                         label += "+jvp"
                     regs = re.search(r"regs +(\d+)", res)
                     if regs and not name:

@@ -1,9 +1,11 @@
 """The kernels as torch.library ops in the ``flash_jvp`` namespace, for torch.compile.
 
-Three ops:
+Four ops:
 
 * ``flash_jvp::attn_fwd`` — the fused forward: o, o_t (empty without tangents) and lse.
 * ``flash_jvp::attn_bwd`` — the backward: dq, dk, dv and dmask (empty without ``mask_grad``).
+* ``flash_jvp::attn_bwd_tangent`` — the backward through o and its tangent o_t (reverse mode
+  through a JVP; double backward): the gradients of q, k, v, their tangents and the mask.
 * ``flash_jvp::attention`` — what ``flash_jvp.attention`` calls while torch.compile traces:
   o of q, k, v (and a mask). Its Autograd kernel is
   :func:`flash_jvp._function.traced_attention`, which reads the forward-mode tangents of its
@@ -174,3 +176,98 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) 
     """o of ``flash_jvp::attention`` (q, k, v as the launchers take them, spec as the op's
     scalar arguments)."""
     return torch.ops.flash_jvp.attention(q, k, v, mask, *spec_args(spec))
+
+
+@torch.library.custom_op("flash_jvp::attn_bwd_tangent", mutates_args=())
+def attn_bwd_tangent(
+    do: Tensor | None,
+    do_t: Tensor | None,
+    dlse: Tensor | None,
+    dmu: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_t: Tensor | None,
+    k_t: Tensor | None,
+    v_t: Tensor | None,
+    o: Tensor,
+    o_t: Tensor | None,
+    lse: Tensor,
+    mu: Tensor | None,
+    mask: Tensor | None,
+    mask_t: Tensor | None,
+    scale: float,
+    causal_offset: int | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    mask_grad: bool,
+    mask_t_grad: bool,
+    tangent_grads: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dq_t, dk_t, dv_t, dmask, dmask_t) of
+    :func:`flash_jvp._ops.attn_bwd_tangent`, the backward through o and o_t (and lse, mu);
+    the ones it gives as None are empty."""
+    from . import _ops
+
+    spec = spec_of(scale, causal_offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    grads = _ops.attn_bwd_tangent(
+        do, do_t, q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, mask, mask_t, spec, dlse=dlse,
+        dmu=dmu, mask_grad=mask_grad, mask_t_grad=mask_t_grad, tangent_grads=tangent_grads,
+    )  # fmt: skip
+    return tuple(_no_tensor(q) if g is None else g for g in grads)
+
+
+def _tangent_bwd_outputs(
+    q_t, k_t, v_t, mask_t, do_t, dmu, mask_grad, mask_t_grad, tangent_grads
+) -> tuple[bool, ...]:
+    """Which of (dq, dk, dv, dq_t, dk_t, dv_t, dmask, dmask_t) ``attn_bwd_tangent`` gives
+    (the others are empty), as _ops.attn_bwd_tangent decides."""
+    tangents = (q_t, k_t, v_t, mask_t)
+    tangent = any(t is not None for t in tangents) and (do_t is not None or dmu is not None)
+    grad_t = tuple(tangent and tangent_grads and t is not None for t in tangents[:3])
+    return (True, True, True, *grad_t, mask_grad, mask_t_grad)
+
+
+@attn_bwd_tangent.register_fake
+def _attn_bwd_tangent_fake(do, do_t, dlse, dmu, q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, mask,
+                           mask_t, scale, causal_offset, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, mask_grad, mask_t_grad,
+                           tangent_grads):  # fmt: skip
+    given = _tangent_bwd_outputs(q_t, k_t, v_t, mask_t, do_t, dmu, mask_grad, mask_t_grad,
+                                 tangent_grads)  # fmt: skip
+    likes = (q, k, v, q, k, v, mask, mask)
+    return tuple(x.new_empty(x.shape) if g else _no_tensor(q) for x, g in zip(likes, given))
+
+
+def attn_bwd_tangent_grads(
+    do: Tensor | None,
+    do_t: Tensor | None,
+    dlse: Tensor | None,
+    dmu: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_t: Tensor | None,
+    k_t: Tensor | None,
+    v_t: Tensor | None,
+    o: Tensor,
+    o_t: Tensor | None,
+    lse: Tensor,
+    mu: Tensor | None,
+    mask: Tensor | None,
+    mask_t: Tensor | None,
+    spec: Spec,
+    mask_grad: bool = False,
+    mask_t_grad: bool = False,
+    tangent_grads: bool = True,
+) -> tuple[Tensor | None, ...]:
+    """The ``attn_bwd_tangent`` op on a Spec; the outputs it leaves empty as None."""
+    grads = attn_bwd_tangent(
+        do, do_t, dlse, dmu, q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, mask, mask_t,
+        *spec_args(spec), mask_grad, mask_t_grad, tangent_grads,
+    )  # fmt: skip
+    given = _tangent_bwd_outputs(q_t, k_t, v_t, mask_t, do_t, dmu, mask_grad, mask_t_grad,
+                                 tangent_grads)  # fmt: skip
+    return tuple(g if present else None for g, present in zip(grads, given))

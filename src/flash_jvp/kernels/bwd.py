@@ -263,6 +263,10 @@ def _attn_bwd_dkdv_inner(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q, q2 = load_split(q_base, offs_m, stride_qm, stride_qd, Lq, D, HEAD_DIM, HEAD_DIM_TAIL,
                            True)  # fmt: skip
+        do, do2 = q, q2  # dO (unused without HAS_DO)
+        if HAS_DO:
+            do, do2 = load_split(do_base, offs_m, stride_dom, stride_dod, Lq, DV, HEAD_DIM_V,
+                                 HEAD_DIM_V_TAIL, True)  # fmt: skip
         lse, delta = _load_row_stats(LSE, DELTA, row_base, offs_m, Lq)
         qkT = dot_split(k, k2, q, q2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
         if MASK:  # causal diagonal blocks only (key bounds never reach a stored row)
@@ -272,14 +276,13 @@ def _attn_bwd_dkdv_inner(
                              MASK_SAME_COLS, MASK_SAME_ROWS)  # fmt: skip
             qkT = apply_mask(qkT, vals, mask_min, MASK_KIND)
         pT = tl.math.exp2(qkT - lse[None, :])
-        dpT = tl.zeros_like(pT)
         if HAS_DO:
-            do, do2 = load_split(do_base, offs_m, stride_dom, stride_dod, Lq, DV, HEAD_DIM_V,
-                                 HEAD_DIM_V_TAIL, True)  # fmt: skip
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             if HEAD_DIM_V_TAIL > 0:
                 dv2 = tl.dot(pT.to(do.dtype), do2, dv2, input_precision=DOT_PRECISION)
             dpT = dot_split(v, v2, do, do2, None, HEAD_DIM_V_TAIL, DOT_PRECISION)
+        else:
+            dpT = tl.zeros_like(pT)
         if TANGENT:
             gamma, mu = _load_tangent_stats(GAMMA, MU, row_base, offs_m, Lq, TANGENT)
             q_t, q_t2 = q, q2
