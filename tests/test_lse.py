@@ -226,5 +226,5 @@ def test_backprop_through_lse_tangent_is_refused():
     q, k, v, tangents, _ = _case("plain", torch.float32)
     leaf = q.clone().requires_grad_()
     _, (_, mu) = torch.func.jvp(flash_jvp.attention_with_lse, (leaf, k, v), tangents)
-    with pytest.raises(NotImplementedError, match="backpropagating through the JVP tangents"):
+    with pytest.raises(NotImplementedError, match="through the JVP tangent o_t \\(or mu"):
         mu.sum().backward()

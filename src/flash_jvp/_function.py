@@ -353,7 +353,7 @@ class AttnBackward(_Function):
 
 
 _NO_TANGENT_GRAD = (
-    "flash_jvp: backpropagating through the JVP tangents (o_t, or lse's tangent) is not "
+    "flash_jvp: backpropagating through the JVP tangent o_t (or mu, lse's tangent) is not "
     "supported yet. Detach the tangent in the loss (as sCM/MeanFlow losses do: "
     "o_t.detach()), or use flash_jvp.reference.attention_ref for a differentiable tangent."
 )
