@@ -453,25 +453,6 @@ def test_seed_parity_dual_tensors_that_require_grad(dtype):
         assert _check.rel_err(a, r) <= tol, (name, _check.rel_err(a, r), tol)
 
 
-# ---------------------------------------------------------------- errors, never silent zeros
-@needs_kernels
-def test_loss_on_undetached_tangent_raises():
-    q, k, v, tangents, _ = qkv(1, 2, 2, 16, 16, 16)
-    w = torch.randn(16, 16, device=q.device, requires_grad=True)
-    _, o_t = torch.func.jvp(lambda x: flash_jvp.attention(x @ w, k, v), (q,), (tangents[0],))
-    with pytest.raises(NotImplementedError, match="through the JVP tangent o_t"):
-        o_t.sum().backward()
-
-
-@needs_kernels
-def test_double_backward_raises():
-    q, k, v, _, _ = qkv(1, 2, 2, 16, 16, 16)
-    q.requires_grad_()
-    (g,) = torch.autograd.grad(flash_jvp.attention(q, k, v).square().sum(), q, create_graph=True)
-    with pytest.raises(NotImplementedError, match="double backward"):
-        g.sum().backward()
-
-
 # ---------------------------------------------------------------- nested transforms, empties
 def test_nested_forward_mode_is_exact():
     """jvp of jvp and jacfwd of jacfwd: second-order tangents (taken by the PyTorch path)."""
