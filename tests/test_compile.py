@@ -225,13 +225,13 @@ def _math_block(model: Block) -> Block:
     return twin
 
 
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_jvp_through_block(backend, path):
-    """Linear, plain-op RMSNorm, GELU and flash_jvp under one torch.func.jvp, compiled.
-    (Frozen weights: with trainable ones AOTAutograd also traces the backward through the
-    returned tangent, which the kernels refuse as yet; the sCM step below, which detaches it
-    inside the compiled loss, trains.)"""
-    model, x, x_t = _block_inputs(trainable=False)
+def test_compiled_jvp_through_block(backend, trainable, path):
+    """Linear, plain-op RMSNorm, GELU and flash_jvp under one torch.func.jvp, compiled. With
+    trainable weights AOTAutograd also traces the backward through the returned tangent
+    (the backward through o_t, flash_jvp::attn_bwd_tangent)."""
+    model, x, x_t = _block_inputs(trainable=trainable)
 
     def fn(x, x_t):
         return torch.func.jvp(model, (x,), (x_t,))
@@ -258,6 +258,34 @@ def _scm_loss(model, x, x_t):
     """sCM/MeanFlow-style: a JVP through the model, a loss on pred and dpred.detach()."""
     pred, dpred = torch.func.jvp(model, (x,), (x_t,))
     return (pred - x).square().mean() + (pred - dpred.detach()).square().mean()
+
+
+def _tvm_loss(model, x, x_t):
+    """Terminal-Velocity-Matching-style: the loss differentiates through dpred, the JVP's
+    output, so the backward runs through o_t of every attention call."""
+    pred, dpred = torch.func.jvp(model, (x,), (x_t,))
+    return (pred - x).square().mean() + (dpred - x_t).square().mean()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_tvm_step_matches_eager(backend, path):
+    """A loss on the undetached tangent, compiled with fullgraph, backward eager: loss and
+    every parameter gradient equal the eager step's and match float64 math SDPA."""
+    model, x, x_t = _block_inputs()
+    results = []
+    for fn in (_tvm_loss, torch.compile(_tvm_loss, backend=backend, fullgraph=True)):
+        model.zero_grad()
+        loss = fn(model, x, x_t)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    assert_same("loss", loss_c, loss_e, _exact(path, backend))
+    for (name, _), a, b in zip(model.named_parameters(), grads_c, grads_e):
+        assert_same(f"grad {name}", a, b, _exact(path, backend))
+    twin = _math_block(model)
+    _tvm_loss(twin, x.double(), x_t.double()).backward()
+    for (name, p), g in zip(twin.named_parameters(), grads_c):
+        assert_close_rel(f"grad {name} vs float64", g, p.grad, 1e-4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -413,6 +441,21 @@ def _op_cases():
     yield "bwd", bwd, (do, q, k, v, o, lse, None, 0.25, 0, None, None, 0, 0, False, None)
     yield "bwd_mask_grad", bwd, (do, q, k, v, o, lse, mask, *dense, True, None)
     yield "bwd_dlse", bwd, (do, q, k, v, o, lse, mask, *dense, False, randn(*lse.shape))
+    tan = torch.ops.flash_jvp.attn_bwd_tangent.default
+    o, o_t, lse, mu = fwd(q, k, v, q_t, k_t, v_t, mask, mask.clone(), *dense)
+    do_t, dmu = randn(*o.shape), randn(*lse.shape)
+    saved = (q, k, v, q_t, k_t, v_t, o, o_t, lse, mu)
+    yield "bwd_tangent", tan, (do, do_t, None, None, *saved, None, None, *dense, False, False,
+                               True)  # fmt: skip
+    yield "bwd_tangent_masks", tan, (None, do_t, lse.clone(), dmu, *saved, mask, mask.clone(),
+                                     *dense, True, True, True)  # fmt: skip
+    yield "bwd_tangent_second_order", tan, (None, do_t, None, dmu, q, k, v, q_t, None, v_t, o,
+                                            o_t, lse, mu, None, None, 0.25, 0, None, None, 0,
+                                            0, False, False, False)  # fmt: skip
+    o_p, o_t_p, lse_p, mu_p = fwd(qp, kp, vp, *tp, None, None, 0.25, 0, cu, cu, 23, 23)
+    yield "bwd_tangent_varlen", tan, (o_p, o_t_p, None, None, qp, kp, vp, *tp, o_p, o_t_p, lse_p,
+                                      mu_p, None, None, 0.25, 0, cu, cu, 23, 23, False, False,
+                                      True)  # fmt: skip
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     attn = torch.ops.flash_jvp.attention.default
     yield "attention", attn, (*leaves, None, 0.25, 0, None, None, 0, 0)
