@@ -3,6 +3,7 @@ the winners in src/flash_jvp/kernels/configs.py).
 
     python benchmarks/tune.py [--kinds jvp,fwd,dkdv,dq] [--cases none,pad10,causal]
                               [--shapes B,H,L,E ...] [--configs M,N,warps,stages ...] [--out F]
+    python benchmarks/tune.py --kinds dkdv+t,dq+t   # the backward through the tangent
 
 Every kind is timed without a mask, with a 10 % boolean key-padding mask ("pad10") and causal,
 because one config serves all three and they stress registers differently (loop bounds read
@@ -50,8 +51,21 @@ CANDIDATES = {
     ("fwd", 96): [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
     ("dkdv", 96): [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 4, 2)],
     ("dq", 96): [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2)],
+    # the backward through the tangent (TANGENT); the fewest-spill ones of
+    # scripts/compile_sm90.py --tangent first
+    ("dkdv+t", 64): [(32, 64, 8, 2), (16, 64, 4, 2), (32, 128, 8, 2), (64, 64, 8, 2),
+                     (16, 64, 8, 2)],
+    ("dkdv+t", 96): [(16, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
+    ("dkdv+t", 128): [(16, 64, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 8, 2),
+                      (16, 128, 8, 2)],
+    ("dq+t", 64): [(128, 32, 8, 2), (64, 32, 4, 2), (64, 16, 4, 2), (64, 64, 8, 2),
+                   (128, 64, 8, 2)],
+    ("dq+t", 96): [(128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2)],
+    ("dq+t", 128): [(128, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2), (128, 16, 8, 2),
+                    (64, 16, 4, 2)],
 }  # fmt: skip
-KERNEL_CONFIGS = {"fwd": "fwd", "jvp": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
+KERNEL_CONFIGS = {"fwd": "fwd", "jvp": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq",
+                  "dkdv+t": "bwd_dkdv", "dq+t": "bwd_dq"}  # fmt: skip
 
 
 def bucket(shape) -> int:
@@ -87,8 +101,12 @@ def time_config(kind, cfg, shape, case, compile_only=False):
         if kind in ("fwd", "jvp"):
             tangents = (qt, kt, vt) if kind == "jvp" else (None, None, None)
             fn = lambda: _ops.attn_fwd(q, k, v, *tangents, mask, None, spec)  # noqa: E731
+        elif kind.endswith("+t"):  # through o and o_t, every tangent (a TVM step)
+            o, o_t, lse, mu = _ops.attn_fwd(q, k, v, qt, kt, vt, mask, None, spec)
+            saved = (q, k, v, qt, kt, vt, o, o_t, lse, mu, mask, None, spec)
+            fn = lambda: _ops.attn_bwd_tangent(do, do, *saved)  # noqa: E731
         else:
-            o, _, lse = _ops.attn_fwd(q, k, v, None, None, None, mask, None, spec)
+            o, _, lse, _ = _ops.attn_fwd(q, k, v, None, None, None, mask, None, spec)
             fn = lambda: _ops.attn_bwd(do, q, k, v, o, lse, mask, spec)  # noqa: E731
         fn()
         if compile_only:

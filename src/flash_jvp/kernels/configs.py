@@ -70,15 +70,17 @@ _BEST = {
         96: Config(64, 64, 4, 3), 128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2),
     },
     # The backward through the tangent too (TANGENT): twice the accumulators (dk, dv, dk_t,
-    # dv_t; dq, dq_t) and four times the input tiles of the primal kernels, so half the
-    # tile rows per warp. Not tuned on a GPU yet: benchmarks/tune.py --tangent picks them.
+    # dv_t; dq, dq_t) and twice the input tiles of the primal kernels. Picked without a GPU
+    # for fewest spills (scripts/compile_sm90.py --tangent, sm_90): bf16 E=64 and the dq
+    # kernel at 96 none; E=96/128 dK/dV 16/128 bytes, dq 32 at 128; E=256 and fp32 (ieee
+    # dots as FMA loops) spill kilobytes with every tile tried. Not timed: tune on a GPU.
     "bwd_dkdv+t": {
-        "fp32": Config(16, 32, 4, 1), 64: Config(32, 64, 4, 2), 96: Config(32, 64, 4, 2),
-        128: Config(32, 64, 8, 2), 256: Config(16, 32, 4, 1),
+        "fp32": Config(16, 16, 8, 1), 64: Config(32, 64, 8, 2), 96: Config(16, 64, 8, 2),
+        128: Config(16, 64, 8, 2), 256: Config(16, 64, 8, 1),
     },
     "bwd_dq+t": {
-        "fp32": Config(32, 16, 4, 1), 64: Config(64, 64, 4, 2), 96: Config(64, 32, 4, 2),
-        128: Config(64, 32, 4, 2), 256: Config(32, 32, 4, 1),
+        "fp32": Config(16, 16, 8, 1), 64: Config(128, 32, 8, 2), 96: Config(128, 32, 8, 2),
+        128: Config(128, 32, 8, 2), 256: Config(32, 32, 8, 1),
     },
 }  # fmt: skip
 # Short key ranges (Lk <= SHORT_LK, e.g. DiT at 256 px): few key blocks per program, so
