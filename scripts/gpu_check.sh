@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tier, one device call: the whole test suite on CUDA, `python -m flash_jvp check`, and
 # optionally the benchmark and config tuning. Logs go to $OUT (the device tool's output folder)
-# or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [check] [bench] [long] [tune]
+# or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [check] [bench] [long] [tune] [tangent]
 # TESTS: test paths for the tests step (default: tests). Compiled kernels are cached under
 # gpu-results/ (ignored by git), so consecutive calls on a still-warm device reuse them.
 set -uo pipefail
@@ -24,6 +24,8 @@ for step in $steps; do
     bench) python3 -m flash_jvp bench --out "$out" 2>&1 | tee "$out/bench-log.txt" || status=1 ;;
     long) python3 benchmarks/long_context.py 2>&1 | tee "$out/long.txt" || status=1 ;;
     tune) python3 benchmarks/tune.py --out "$out/tune.json" 2>&1 | tee "$out/tune.txt" ;;
+    tangent) python3 benchmarks/tangent_bwd.py --out "$out" 2>&1 | tee "$out/tangent-bwd.txt" \
+               || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
