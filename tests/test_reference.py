@@ -234,4 +234,4 @@ def test_autograd_of_jvp_gradcheck():
         fn = lambda q, k, v: _attn_with_lse(q, k, v, None, 0.4, 0)  # noqa: E731
         return torch.func.jvp(fn, (q, k, v), (q_t, k_t, v_t))[1]
 
-    assert torch.autograd.gradcheck(o_t_and_mu, args)
+    assert torch.autograd.gradcheck(o_t_and_mu, args, fast_mode=True)

@@ -526,3 +526,17 @@ def test_gpu_tangent_backward_memory_is_linear():
     extra = torch.cuda.max_memory_allocated() - base
     scores = 16 * 8192 * 8192 * 2
     assert extra < 0.05 * scores, f"{extra / 2**20:.0f} MiB"
+
+
+def test_hessians(path):
+    """jacrev(jacrev) (double backward under vmap) and torch.func.hessian (jacfwd of
+    jacrev: forward-over-reverse under vmap) of a scalar loss."""
+    q, k, v = (randn(1, 1, 4, 16) for _ in range(3))
+
+    def loss(attention):
+        return lambda q: attention(q, k.to(q.dtype), v.to(q.dtype)).square().sum()
+
+    for name, transform in (("jacrev(jacrev)", lambda g: torch.func.jacrev(torch.func.jacrev(g))),
+                            ("hessian", torch.func.hessian)):  # fmt: skip
+        ours = transform(loss(flash_jvp.attention))(q)
+        assert_close_rel(name, ours, transform(loss(reference.math_sdpa))(q.double()), 2e-5)
