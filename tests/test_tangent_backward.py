@@ -255,6 +255,23 @@ def test_lse_and_mu_cotangents(path):
         assert_close_rel(name, a, b, 2e-5)
 
 
+@pytest.mark.parametrize(
+    "q_shape,k_shape",
+    [
+        ((1, 2, 0, 16), (1, 2, 9, 16)),
+        ((1, 0, 8, 16), (1, 0, 9, 16)),
+        ((0, 2, 8, 16), (0, 2, 9, 16)),
+    ],
+    ids=["Lq0", "H0", "N0"],
+)
+def test_empty_inputs_give_zero_gradients(q_shape, k_shape, path):
+    q, k, v = randn(*q_shape), randn(*k_shape), randn(*k_shape)
+    leaves = [x.requires_grad_() for x in (q, k, v, *(randn(*x.shape) for x in (q, k, v)))]
+    o, o_t = torch.func.jvp(flash_jvp.attention, tuple(leaves[:3]), tuple(leaves[3:]))
+    for x, g in zip(leaves, torch.autograd.grad(o.sum() + o_t.sum(), leaves)):
+        assert g.shape == x.shape and not g.any()
+
+
 # ------------------------------------------------------------------ differentiation APIs
 def _small():
     q, k, v, tangents, do, do_t = _inputs(Lq=12, Lk=17, E=16, Ev=16)
