@@ -319,6 +319,34 @@ def test_forward_ad_duals_then_backward(path):
         assert_close_rel(name, a, ref[name], 2e-5)
 
 
+@needs_kernels
+def test_backward_through_o_t_inside_dual_level():
+    """.backward()-style autograd.grad through o_t while the forward_ad level is still open:
+    forward AD then also differentiates the backward through o_t (a third derivative, by
+    the PyTorch composite); the gradients and their tangents against float64 (torch.func
+    jvp of grad of the loss, on attention_ref)."""
+    q, k, v, tangents, do, do_t = _small()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, *tangents)]
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(x, t) for x, t in zip(leaves[:3], leaves[3:])]
+        out = fwAD.unpack_dual(flash_jvp.attention(*duals, enable_gqa=True))
+        loss = (out.primal * do).sum() + (out.tangent * do_t).sum()
+        grads = [fwAD.unpack_dual(g) for g in torch.autograd.grad(loss, leaves)]
+
+    def ref_loss(q, k, v, q_t, k_t, v_t):
+        f = lambda q, k, v: reference.attention_ref(q, k, v, enable_gqa=True)  # noqa: E731
+        o, o_t = torch.func.jvp(f, (q, k, v), (q_t, k_t, v_t))
+        return (o * do.double()).sum() + (o_t * do_t.double()).sum()
+
+    x64 = tuple(x.detach().double() for x in (q, k, v, *tangents))
+    dirs = tuple(t.double() for t in tangents) + tuple(torch.zeros_like(t) for t in x64[3:])
+    grad = torch.func.grad(ref_loss, argnums=tuple(range(6)))
+    ref, ref_t = torch.func.jvp(grad, x64, dirs)
+    for name, g, r, r_t in zip(NAMES, grads, ref, ref_t):
+        assert_close_rel(name, g.primal, r, 2e-5)
+        assert_close_rel(f"{name}'s tangent", g.tangent, r_t, 2e-5)
+
+
 def test_func_grad_vjp_of_a_loss_with_jvp(path):
     """torch.func.grad and torch.func.vjp of functions whose outputs contain jvp outputs."""
     q, k, v, (q_t, k_t, v_t), do, do_t = _small()

@@ -303,9 +303,12 @@ class AttnBackward(_Function):
     Its ``jvp`` (forward-over-reverse: a tangent of the gradients) is exact. When only the
     cotangents carry tangents (a backward run inside a ``forward_ad.dual_level``), the
     gradient is linear in them and the same kernels give it; when q, k, v or the mask carry
-    one (e.g. ``torch.func.jvp(torch.func.grad(f))``), it uses the PyTorch composite
-    ``reference.attention_bwd_jvp``, which materialises the (Lq, Lk) score matrix.
-    Double backward is not supported.
+    one, the fused kernels give it too where the tensors are plain (forward-AD dual tensors
+    over ``autograd.grad(create_graph=True)``: one fwd+JVP pass, one backward through o_t);
+    under torch.func transforms (e.g. ``torch.func.jvp(torch.func.grad(f))``), whose
+    wrapped tensors the kernels cannot take, the PyTorch composite
+    ``reference.attention_bwd_jvp``, which materialises the (Lq, Lk) score matrix. Its
+    ``backward`` (double backward) runs on the fused kernels (see there).
     """
 
     @staticmethod
@@ -407,9 +410,10 @@ def _tangent_backward(cots, saved, spec: Spec, flags) -> tuple[Tensor | None, ..
 
 class AttnTangentBackward(_Function):
     """The gradients of the backward through o and o_t (``attn_bwd_tangent``), the ones
-    given only, as a Function: where they are differentiated again (create_graph, a
-    forward-mode tangent, a torch.func transform) that refuses clearly instead of giving
-    silent zeros. Arguments as :func:`_tangent_backward`'s, flattened."""
+    given only, as a Function, for where they may be differentiated again: forward mode
+    through them is exact (a PyTorch composite), reverse mode (a third derivative) refuses
+    clearly instead of giving silent zeros. Arguments as :func:`_tangent_backward`'s,
+    flattened."""
 
     @staticmethod
     def forward(*args):
@@ -419,11 +423,41 @@ class AttnTangentBackward(_Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        *tensors, ctx.spec, ctx.flags = inputs
         ctx.set_materialize_grads(False)
+        ctx.save_for_forward(*tensors)
 
     @staticmethod
     def jvp(ctx, *tangents):
-        raise NotImplementedError(_THIRD_ORDER)
+        """Forward mode through these gradients (a third derivative, which forward AD also
+        computes for a backward run inside ``forward_ad.dual_level``): exact, by the JVP of
+        the PyTorch composite reference.attention_tangent_bwd, which materialises the
+        (Lq, Lk) scores. o, o_t, lse and mu count as functions of the
+        other inputs (their own tangents are the JVP along those)."""
+        saved = ctx.saved_tensors
+        mask = saved[14]
+        bool_mask = mask is not None and mask.dtype == torch.bool
+        # do, do_t, dlse, dmu, q, k, v, q_t, k_t, v_t, mask, mask_t (by position)
+        inputs = [i for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 14, 15)
+                  if saved[i] is not None and not (i == 14 and bool_mask)]  # fmt: skip
+        given = _library.tangent_bwd_outputs(saved[7], saved[8], saved[9], saved[15],
+                                             saved[1], saved[3], *ctx.flags)  # fmt: skip
+
+        def grads(*xs):
+            x = list(saved)
+            for i, xi in zip(inputs, xs):
+                x[i] = xi
+            out = reference.attention_tangent_bwd(
+                *x[4:10], x[14], x[15], x[0], x[1], ctx.spec, x[2], x[3], *ctx.flags[:2]
+            )
+            return tuple(g for g, keep in zip(out, given) if keep)
+
+        primals = tuple(saved[i] for i in inputs)
+        dirs = tuple(torch.zeros_like(saved[i]) if tangents[i] is None else tangents[i]
+                     for i in inputs)  # fmt: skip
+        # by reverse mode twice (autograd.functional.jvp): forward AD cannot nest here
+        with no_autocast(saved[4].device), torch.enable_grad():
+            return torch.autograd.functional.jvp(grads, primals, dirs)[1]
 
     @staticmethod
     def backward(ctx, *grads):
@@ -445,7 +479,7 @@ class AttnTangentBackward(_Function):
 
 
 _THIRD_ORDER = (
-    "flash_jvp: differentiating the backward through the JVP tangent o_t (or a double "
-    "backward) once more is not supported (third-order derivatives); "
+    "flash_jvp: reverse mode through the backward through the JVP tangent o_t (or through "
+    "a double backward), a third-order derivative, is not supported; "
     "flash_jvp.reference.attention_ref is differentiable to any order."
 )

@@ -87,8 +87,10 @@ def scaled_dot_product_attention(
           fused kernels with O(L) extra memory (reference.attention_tangent_bwd has the math).
         * double backward (``torch.autograd.grad(..., create_graph=True)``, then again) and
           forward-over-reverse with forward-AD dual tensors: fused (one fwd+JVP pass and one
-          backward through the tangent). Third-order derivatives through the kernels raise
-          ``NotImplementedError``.
+          backward through the tangent). Reverse mode once more (a third derivative) raises
+          ``NotImplementedError``; forward mode through those gradients (e.g. a backward run
+          inside ``forward_ad.dual_level``) takes a PyTorch composite that materialises the
+          score matrix.
         * ``torch.func`` ``grad``, ``vjp``, ``jacrev``, ``jacfwd``, ``vmap`` compose with it
           (except ``vmap``/``jacrev`` of the gradient with respect to an additive mask).
           ``torch.func.jvp`` of ``torch.func.grad`` is exact but materialises the score
