@@ -407,11 +407,12 @@ def _op_cases():
     yield "fwd_additive", fwd, (q, k, v, q_t, k_t, v_t, mask, mask.clone(), *dense)
     yield "fwd_gqa_ev", fwd, (q, k[:, :1], randn(2, 1, 20, 8), q_t, None, None, None, None, *dense)
     yield "fwd_varlen", fwd, (qp, kp, vp, *tp, None, None, 0.25, 0, cu, cu, 23, 23)
-    o, _, lse = fwd(q, k, v, None, None, None, mask, None, *dense)
+    o, _, lse, _ = fwd(q, k, v, None, None, None, mask, None, *dense)
     do = randn(*o.shape)
     bwd = torch.ops.flash_jvp.attn_bwd.default
-    yield "bwd", bwd, (do, q, k, v, o, lse, None, 0.25, 0, None, None, 0, 0, False)
-    yield "bwd_mask_grad", bwd, (do, q, k, v, o, lse, mask, *dense, True)
+    yield "bwd", bwd, (do, q, k, v, o, lse, None, 0.25, 0, None, None, 0, 0, False, None)
+    yield "bwd_mask_grad", bwd, (do, q, k, v, o, lse, mask, *dense, True, None)
+    yield "bwd_dlse", bwd, (do, q, k, v, o, lse, mask, *dense, False, randn(*lse.shape))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     attn = torch.ops.flash_jvp.attention.default
     yield "attention", attn, (*leaves, None, 0.25, 0, None, None, 0, 0)
@@ -589,3 +590,24 @@ def test_varlen_captures_in_cuda_graph():
     graph.replay()
     for name, a, b in zip(("o", "o_t"), out, eager):
         assert torch.equal(a, b), name
+
+
+# ------------------------------------------------------------ other tracers: make_fx
+def test_linearize(path):
+    """torch.func.linearize traces the jvp with make_fx: there flash_jvp takes its op (the
+    Triton launch cannot be traced), and the linearized tangent equals float64 math SDPA's."""
+    q, k, v, (q_t, _, _), kw = _inputs("causal")
+    out, jvp_fn = torch.func.linearize(lambda q: flash_jvp.attention(q, k, v, **kw), q)
+    assert_same("o", out, flash_jvp.attention(q, k, v, **kw), path == "kernels")
+    ref = _ref_tangent(q, k, v, (q_t, torch.zeros_like(k), torch.zeros_like(v)), kw)
+    assert_close_rel("o_t", jvp_fn(q_t), ref, 1e-4)
+
+
+def test_export_inference(path):
+    """torch.export of a block calling flash_jvp: the exported program holds the op and runs
+    like the module."""
+    model, x, _ = _block_inputs(trainable=False)
+    exported = torch.export.export(model, (x,))
+    assert_same("y", exported.module()(x), model(x), path == "kernels")
+    if path == "kernels":
+        assert "flash_jvp" in str(exported.graph)

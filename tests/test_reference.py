@@ -47,15 +47,19 @@ def _spec(scale, is_causal):
 
 @CAUSAL
 def test_closed_form_jvp_equals_autodiff(is_causal):
-    """attention_jvp (the formula the kernel implements) == torch.func.jvp of attention_ref."""
+    """attention_jvp (the formulas the kernel implements: o_t and lse's tangent mu) ==
+    torch.func.jvp of attention_ref."""
     q, k, v, tangents = _inputs()
     scale = 0.4
-    ours = reference.attention_jvp(q, k, v, *tangents, None, None, _spec(scale, is_causal))
-    _, ref = torch.func.jvp(
-        lambda q, k, v: reference.attention_ref(q, k, v, None, is_causal, scale, enable_gqa=True),
+    o_t, mu = reference.attention_jvp(q, k, v, *tangents, None, None, _spec(scale, is_causal))
+    _, (o_t_ref, mu_ref) = torch.func.jvp(
+        lambda q, k, v: reference.attention_ref(
+            q, k, v, None, is_causal, scale, enable_gqa=True, return_lse=True
+        ),
         (q, k, v), tangents,
     )  # fmt: skip
-    assert_close_rel("o_t", ours, ref, 1e-12)
+    assert_close_rel("o_t", o_t, o_t_ref, 1e-12)
+    assert_close_rel("mu (lse's tangent)", mu, mu_ref, 1e-12)
 
 
 @CAUSAL

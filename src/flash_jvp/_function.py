@@ -81,14 +81,16 @@ def _no_varlen_vmap(spec: Spec) -> None:
 
 
 def _zero_tangent(t: Tensor) -> Tensor:
-    """A zero tangent without memory traffic (tangent of lse and of the o_t output)."""
+    """A zero tangent without memory traffic (tangent of the o_t and mu outputs)."""
     return t.new_zeros(()).expand(t.shape)
 
 
-def _jvp_result(ctx, o_t: Tensor) -> tuple[Tensor | None, ...]:
-    """Tangents of FlashAttnJVP's outputs: o_t for o; none for lse (not differentiable) and
-    zeros for the o_t output, which is not part of the public result."""
-    return (o_t, None) if ctx.n_outputs == 2 else (o_t, None, _zero_tangent(o_t))
+def _jvp_result(ctx, o_t: Tensor, mu: Tensor) -> tuple[Tensor, ...]:
+    """Tangents of FlashAttnJVP's outputs: o_t for o, mu for lse, and zeros for the o_t and
+    mu outputs themselves (their own tangents would be second order)."""
+    if ctx.n_outputs == 2:
+        return o_t, mu
+    return o_t, mu, _zero_tangent(o_t), _zero_tangent(mu)
 
 
 class _Function(torch.autograd.Function):
@@ -133,12 +135,14 @@ def _nested_forward_ad() -> bool:
     return stack is not None and sum(i.key() == TransformType.Jvp for i in stack) >= 2
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
-    """o of :class:`FlashAttnJVP` (arguments as the launchers take them), carrying o_t as its
-    tangent.
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec
+) -> tuple[Tensor, Tensor]:
+    """o and lse of :class:`FlashAttnJVP` (arguments as the launchers take them), carrying
+    o_t and mu (lse's tangent) as their tangents.
 
     When the innermost transform is a ``torch.func.jvp``, the Function is applied one level
-    down and o is made a dual of the fused o_t at the JVP's level here. That is what
+    down and o, lse are made duals of the fused o_t, mu at the JVP's level here. That is what
     functorch's generic autograd.Function support does, less its per-call class generation and
     pytree passes (measured: ~0.6 ms of host time a call), and it needs no functorch dispatch
     from inside an op's kernel (see :func:`traced_attention`).
@@ -152,7 +156,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) 
     tangents.append(_tangent(mask, "attn_mask") if additive else None)
     top = peek_interpreter_stack()
     if top is None or top.key() != TransformType.Jvp:
-        return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[0]
+        return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[:2]
     interp = coerce_cinterpreter(top)
     level = interp.level()
     args = [None if x is None else _unwrap_for_grad(x, level) for x in (q, k, v, mask, *tangents)]
@@ -161,11 +165,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) 
         spec = dataclasses.replace(spec, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     with interp.lower():
         out = FlashAttnJVP.apply(*args, spec)
-    o = _wrap_for_grad(out[0], level)
-    return o if len(out) == 2 else torch._make_dual(o, _wrap_for_grad(out[2], level), 0)
+    out = [_wrap_for_grad(x, level) for x in out]
+    if len(out) == 2:
+        return out[0], out[1]
+    return torch._make_dual(out[0], out[2], 0), torch._make_dual(out[1], out[3], 0)
 
 
-def traced_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
+def traced_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec
+) -> tuple[Tensor, Tensor]:
     """:func:`attention` as the Autograd kernel of ``flash_jvp::attention``, which runs where
     torch.compile's AOTAutograd traces the graph. There functorch has masked the dispatch key
     through which an autograd.Function reaches a grad transform, so under ``torch.func.grad``
@@ -179,25 +187,26 @@ def traced_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec:
     return attention(q, k, v, mask, spec)
 
 
-def vmap_attention(size: int, in_dims, q, k, v, mask, spec: Spec) -> Tensor:
+def vmap_attention(size: int, in_dims, q, k, v, mask, spec: Spec) -> tuple[Tensor, Tensor]:
     """``flash_jvp::attention`` under vmap: the vmapped dim folded into the batch dim.
-    Returns o with the vmapped dim first."""
+    Returns o and lse with the vmapped dim first."""
     _no_varlen_vmap(spec)
     q, k, v = _fold((q, k, v), in_dims[:3], size)
     mask = _fold_mask(mask, in_dims[3], size, q.shape[0] // size)
-    o = _library.attention(q, k, v, mask, spec)
-    return o.reshape(size, o.shape[0] // size, *o.shape[1:])
+    return _unfold(_library.attention(q, k, v, mask, spec), size)[0]
 
 
 class FlashAttnJVP(_Function):
-    """o, lse[, o_t] = attention(q, k, v, mask) with the tangents q_t, k_t, v_t, mask_t (or
-    None) fused in. ``mask``: None, boolean or additive (4-D, broadcasting to the scores)."""
+    """o, lse[, o_t, mu] = attention(q, k, v, mask) with the tangents q_t, k_t, v_t, mask_t
+    (or None) fused in; mu = rowsum(P o S_t) is lse's tangent. ``mask``: None, boolean or
+    additive (4-D, broadcasting to the scores)."""
 
     @staticmethod
     def forward(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec):
         tangents = (q_t, k_t, v_t, mask_t)
-        o, o_t, lse = _library.attn_fwd(q, k, v, *tangents[:3], mask, mask_t, *spec_args(spec))
-        return (o, lse) if all(t is None for t in tangents) else (o, lse, o_t)
+        outs = _library.attn_fwd(q, k, v, *tangents[:3], mask, mask_t, *spec_args(spec))
+        o, o_t, lse, mu = outs
+        return (o, lse) if all(t is None for t in tangents) else (o, lse, o_t, mu)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -205,41 +214,49 @@ class FlashAttnJVP(_Function):
         o, lse = output[:2]
         ctx.spec = spec
         ctx.n_outputs = len(output)
-        ctx.mark_non_differentiable(lse)  # internal: saved for the backward only
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, o, lse, mask)
-        o_t = output[2] if len(output) == 3 else None
-        ctx.save_for_forward(q, k, v, mask, q_t, k_t, v_t, mask_t, o_t)
+        o_t, mu = output[2:] if len(output) == 4 else (None, None)
+        ctx.save_for_forward(q, k, v, mask, q_t, k_t, v_t, mask_t, o_t, mu)
 
     @staticmethod
     def jvp(ctx, gq, gk, gv, gmask, *_):
-        q, k, v, mask, q_t, k_t, v_t, mask_t, o_t = ctx.saved_tensors
+        q, k, v, mask, q_t, k_t, v_t, mask_t, o_t, mu = ctx.saved_tensors
         if mask is not None and mask.dtype == torch.bool:
             gmask = None
         same = gq is q_t and gk is k_t and gv is v_t and gmask is mask_t
         if o_t is not None and same:
-            # The forward's own o_t output without its (zero) tangent: reverse mode through
-            # it reaches our backward, which refuses instead of returning silent zeros.
-            return _jvp_result(ctx, torch._unpack_dual(o_t, 0)[0])
+            # The forward's own o_t and mu outputs without their (zero) tangents: reverse
+            # mode through them reaches our backward, which refuses instead of returning
+            # silent zeros.
+            return _jvp_result(ctx, torch._unpack_dual(o_t, 0)[0], torch._unpack_dual(mu, 0)[0])
+        lse_shape = (q.shape[1], q.shape[0]) if ctx.spec.varlen else q.shape[:-1]
         if gq is None and gk is None and gv is None and gmask is None:
-            return _jvp_result(ctx, q.new_zeros(()).expand(*q.shape[:-1], v.shape[-1]))
+            zero = q.new_zeros(())
+            o_t = zero.expand(*q.shape[:-1], v.shape[-1])
+            return _jvp_result(ctx, o_t, zero.float().expand(lse_shape))
         if _kernel_ready(q, k, v, mask, gq, gk, gv, gmask):
-            o_t = _library.attn_fwd(q, k, v, gq, gk, gv, mask, gmask, *spec_args(ctx.spec))[1]
-            return _jvp_result(ctx, _TangentNoGrad.apply(o_t, q, k, v, mask, gq, gk, gv, gmask))
-        return _jvp_result(ctx, reference.attention_jvp(q, k, v, gq, gk, gv, mask, gmask, ctx.spec))
+            _, o_t, _, mu = _library.attn_fwd(q, k, v, gq, gk, gv, mask, gmask,
+                                              *spec_args(ctx.spec))  # fmt: skip
+            inputs = (q, k, v, mask, gq, gk, gv, gmask)
+            return _jvp_result(ctx, *_TangentNoGrad.apply(o_t, mu, *inputs))
+        o_t, mu = reference.attention_jvp(q, k, v, gq, gk, gv, mask, gmask, ctx.spec)
+        return _jvp_result(ctx, o_t, mu.float())
 
     @staticmethod
-    def backward(ctx, do, dlse=None, do_t=None):
-        if do_t is not None:
+    def backward(ctx, do, dlse=None, do_t=None, dmu=None):
+        if do_t is not None or dmu is not None:
             raise NotImplementedError(_NO_TANGENT_GRAD)
         q, k, v, o, lse, mask = ctx.saved_tensors
-        if do is None:
+        if do is None and dlse is None:
             return (None,) * 9
+        if do is None:  # a loss on lse alone
+            do = torch.zeros_like(o)
         mask_grad = ctx.needs_input_grad[3]
-        if _plain_backward(do, q, k, v, mask):
-            grads = _bwd(do, q, k, v, o, lse, mask, ctx.spec, mask_grad)
+        if _plain_backward(do, dlse, q, k, v, mask):
+            grads = _bwd(do, q, k, v, o, lse, mask, ctx.spec, mask_grad, dlse)
         else:
-            grads = AttnBackward.apply(do, q, k, v, o, lse, mask, ctx.spec, mask_grad)
+            grads = AttnBackward.apply(do, q, k, v, o, lse, mask, dlse, ctx.spec, mask_grad)
         dmask = grads[3] if mask_grad else None
         return grads[0], grads[1], grads[2], dmask, None, None, None, None, None
 
@@ -255,9 +272,10 @@ class FlashAttnJVP(_Function):
         return _unfold(FlashAttnJVP.apply(q, k, v, mask, q_t, k_t, v_t, mask_t, spec), size)
 
 
-def _bwd(do, q, k, v, o, lse, mask, spec: Spec, mask_grad: bool) -> tuple[Tensor, ...]:
+def _bwd(do, q, k, v, o, lse, mask, spec: Spec, mask_grad: bool, dlse=None):
     """(dq, dk, dv, dmask or None) from the ``attn_bwd`` op."""
-    dq, dk, dv, dmask = _library.attn_bwd(do, q, k, v, o, lse, mask, *spec_args(spec), mask_grad)
+    args = (do, q, k, v, o, lse, mask, *spec_args(spec), mask_grad, dlse)
+    dq, dk, dv, dmask = _library.attn_bwd(*args)
     return dq, dk, dv, dmask if mask_grad else None
 
 
@@ -270,52 +288,46 @@ def _plain_backward(*tensors) -> bool:
 
 
 class AttnBackward(_Function):
-    """dq, dk, dv[, dmask] = vjp of attention at (q, k, v, mask) with cotangent do, from the
-    saved o and lse (dmask, the additive mask's gradient, with ``mask_grad``).
+    """dq, dk, dv[, dmask] = vjp of attention at (q, k, v, mask) with cotangents do (of o)
+    and dlse (of lse, or None), from the saved o and lse (dmask, the additive mask's
+    gradient, with ``mask_grad``).
 
-    Its ``jvp`` (forward-over-reverse: a tangent of the gradients) is exact. When only ``do``
-    carries a tangent (a backward run inside a ``forward_ad.dual_level``), the gradient is
-    linear in ``do`` and the same kernels give it; when q, k, v or the mask carry one (e.g.
-    ``torch.func.jvp(torch.func.grad(f))``), it uses the PyTorch composite
+    Its ``jvp`` (forward-over-reverse: a tangent of the gradients) is exact. When only the
+    cotangents carry tangents (a backward run inside a ``forward_ad.dual_level``), the
+    gradient is linear in them and the same kernels give it; when q, k, v or the mask carry
+    one (e.g. ``torch.func.jvp(torch.func.grad(f))``), it uses the PyTorch composite
     ``reference.attention_bwd_jvp``, which materialises the (Lq, Lk) score matrix.
     Double backward is not supported.
     """
 
     @staticmethod
-    def forward(do, q, k, v, o, lse, mask, spec: Spec, mask_grad: bool):
-        dq, dk, dv, dmask = _bwd(do, q, k, v, o, lse, mask, spec, mask_grad)
+    def forward(do, q, k, v, o, lse, mask, dlse, spec: Spec, mask_grad: bool):
+        dq, dk, dv, dmask = _bwd(do, q, k, v, o, lse, mask, spec, mask_grad, dlse)
         return (dq, dk, dv, dmask) if mask_grad else (dq, dk, dv)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        do, q, k, v, o, lse, mask, spec, mask_grad = inputs
+        do, q, k, v, o, lse, mask, dlse, spec, mask_grad = inputs
         ctx.spec, ctx.mask_grad = spec, mask_grad
         ctx.set_materialize_grads(False)
-        ctx.save_for_forward(do, q, k, v, o, lse, mask)
+        ctx.save_for_forward(do, q, k, v, o, lse, mask, dlse)
 
     @staticmethod
-    def jvp(ctx, g_do, gq, gk, gv, go, glse, gmask, *_):
-        (
-            do,
-            q,
-            k,
-            v,
-            o,
-            lse,
-            mask,
-        ) = ctx.saved_tensors
+    def jvp(ctx, g_do, gq, gk, gv, go, glse, gmask, g_dlse, *_):
+        do, q, k, v, o, lse, mask, dlse = ctx.saved_tensors
         if mask is not None and mask.dtype == torch.bool:
             gmask = None
         outs = (q, k, v, mask) if ctx.mask_grad else (q, k, v)
         if gq is None and gk is None and gv is None and gmask is None:
-            if g_do is None:
+            if g_do is None and g_dlse is None:
                 return tuple(_zero_tangent(t) for t in outs)
-            if _kernel_ready(g_do, q, k, v, o, lse, mask):
-                grads = _bwd(g_do, q, k, v, o, lse, mask, ctx.spec, ctx.mask_grad)
+            if _kernel_ready(g_do, g_dlse, q, k, v, o, lse, mask):
+                g_do = torch.zeros_like(o) if g_do is None else g_do
+                grads = _bwd(g_do, q, k, v, o, lse, mask, ctx.spec, ctx.mask_grad, g_dlse)
                 return grads[: len(outs)]
         with no_autocast(q.device):
             return reference.attention_bwd_jvp(
-                q, k, v, do, gq, gk, gv, g_do, mask, gmask, ctx.spec, ctx.mask_grad
+                q, k, v, do, gq, gk, gv, g_do, mask, gmask, ctx.spec, ctx.mask_grad, dlse, g_dlse
             )
 
     @staticmethod
@@ -328,39 +340,40 @@ class AttnBackward(_Function):
     @staticmethod
     def vmap(info, in_dims, *args):
         size = info.batch_size
-        do, q, k, v, o, lse, mask, spec, mask_grad = args
+        do, q, k, v, o, lse, mask, dlse, spec, mask_grad = args
         _no_varlen_vmap(spec)
         if mask_grad:
             raise NotImplementedError(
                 "flash_jvp: vmap over the gradient of an attn_mask is not supported."
             )
         d = list(in_dims)
-        do, q, k, v, o, lse = _fold((do, q, k, v, o, lse), d[:6], size)
+        do, q, k, v, o, lse, dlse = _fold((do, q, k, v, o, lse, dlse), d[:6] + d[7:8], size)
         mask = _fold_mask(mask, d[6], size, q.shape[0] // size)
-        return _unfold(AttnBackward.apply(do, q, k, v, o, lse, mask, spec, False), size)
+        return _unfold(AttnBackward.apply(do, q, k, v, o, lse, mask, dlse, spec, False), size)
 
 
 _NO_TANGENT_GRAD = (
-    "flash_jvp: backpropagating through the JVP tangent o_t is not supported yet. Detach the "
-    "tangent in the loss (as sCM/MeanFlow losses do: o_t.detach()), or use "
-    "flash_jvp.reference.attention_ref for a differentiable tangent."
+    "flash_jvp: backpropagating through the JVP tangent o_t (or mu, lse's tangent) is not "
+    "supported yet. Detach the tangent in the loss (as sCM/MeanFlow losses do: "
+    "o_t.detach()), or use flash_jvp.reference.attention_ref for a differentiable tangent."
 )
 
 
 class _TangentNoGrad(torch.autograd.Function):
-    """Passes a recomputed o_t through; reverse mode through it raises instead of giving
-    silent zeros (the fused kernel's o_t is not differentiable yet)."""
+    """Passes recomputed tangents (o_t, mu) through; reverse mode through them raises
+    instead of giving silent zeros (the fused kernel's tangents are not differentiable
+    yet)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(o_t, *inputs):
-        return o_t.view_as(o_t)
+    def forward(o_t, mu, *inputs):
+        return o_t.view_as(o_t), mu.view_as(mu)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         pass
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         raise NotImplementedError(_NO_TANGENT_GRAD)

@@ -2,10 +2,12 @@
 
 Three ops:
 
-* ``flash_jvp::attn_fwd`` — the fused forward: o, o_t (empty without tangents) and lse.
-* ``flash_jvp::attn_bwd`` — the backward: dq, dk, dv and dmask (empty without ``mask_grad``).
+* ``flash_jvp::attn_fwd`` — the fused forward: o, o_t, lse and mu, lse's tangent (o_t and mu
+  empty without tangents).
+* ``flash_jvp::attn_bwd`` — the backward: dq, dk, dv and dmask (empty without ``mask_grad``),
+  for the cotangents of o and (optionally) lse.
 * ``flash_jvp::attention`` — what ``flash_jvp.attention`` calls while torch.compile traces:
-  o of q, k, v (and a mask). Its Autograd kernel is
+  o and lse of q, k, v (and a mask). Its Autograd kernel is
   :func:`flash_jvp._function.traced_attention`, which reads the forward-mode tangents of its
   inputs and runs the autograd.Functions whose forward/backward call the two ops above; below
   autograd (inference mode) it is ``attn_fwd``'s o. Eagerly, ``flash_jvp.attention`` calls
@@ -73,26 +75,29 @@ def attn_fwd(
     cu_seqlens_k: Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(o, o_t, lse) of :func:`flash_jvp._ops.attn_fwd`; o_t is empty without tangents."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(o, o_t, lse, mu) of :func:`flash_jvp._ops.attn_fwd`; o_t and mu are empty without
+    tangents."""
     from . import _ops  # imports triton: only where the kernels run
 
     spec = spec_of(scale, causal_offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    o, o_t, lse = _ops.attn_fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec)
-    return o, _no_tensor(o) if o_t is None else o_t, lse
+    o, o_t, lse, mu = _ops.attn_fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec)
+    if o_t is None:
+        return o, _no_tensor(o), lse, _no_tensor(lse)
+    return o, o_t, lse, mu
 
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, q_t, k_t, v_t, mask, mask_t, scale, causal_offset, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k):  # fmt: skip
     o = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    tangent = any(t is not None for t in (q_t, k_t, v_t, mask_t))
-    o_t = q.new_empty(o.shape) if tangent else _no_tensor(o)
     if cu_seqlens_q is not None:  # packed: (H, total_q)
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return o, o_t, lse
+    if all(t is None for t in (q_t, k_t, v_t, mask_t)):
+        return o, _no_tensor(o), lse, _no_tensor(lse)
+    return o, q.new_empty(o.shape), lse, lse.new_empty(lse.shape)
 
 
 @torch.library.custom_op("flash_jvp::attn_bwd", mutates_args=())
@@ -111,26 +116,28 @@ def attn_bwd(
     max_seqlen_q: int,
     max_seqlen_k: int,
     mask_grad: bool,
+    dlse: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask) of :func:`flash_jvp._ops.attn_bwd`; dmask is empty without
     ``mask_grad``."""
     from . import _ops
 
     spec = spec_of(scale, causal_offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    dq, dk, dv, dmask = _ops.attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad)
+    dq, dk, dv, dmask = _ops.attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad, dlse)
     return dq, dk, dv, _no_tensor(q) if dmask is None else dmask
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(do, q, k, v, o, lse, mask, scale, causal_offset, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, mask_grad):  # fmt: skip
+                   max_seqlen_q, max_seqlen_k, mask_grad, dlse):  # fmt: skip
     dmask = mask.new_empty(mask.shape) if mask_grad else _no_tensor(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
 _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int? causal_offset, "
-    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k) -> Tensor"
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k) "
+    "-> (Tensor, Tensor)"
 )
 
 
@@ -149,19 +156,21 @@ def _attention_autograd(q, k, v, mask, *spec):
 
 
 def _attention_below_autograd(q, k, v, mask, *spec):
-    return attn_fwd(q, k, v, None, None, None, mask, None, *spec)[0]
+    o, _, lse, _ = attn_fwd(q, k, v, None, None, None, mask, None, *spec)
+    return o, lse
 
 
 def _attention_fake(q, k, v, mask, *spec):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    o, _, lse, _ = _attn_fwd_fake(q, k, v, None, None, None, mask, None, *spec)
+    return o, lse
 
 
 def _attention_vmap(info, in_dims, q, k, v, mask, *spec):
     """vmap folds the vmapped dim into the batch dim (varlen has none to fold into)."""
     from . import _function
 
-    o = _function.vmap_attention(info.batch_size, in_dims[:4], q, k, v, mask, spec_of(*spec))
-    return o, 0
+    outs = _function.vmap_attention(info.batch_size, in_dims[:4], q, k, v, mask, spec_of(*spec))
+    return outs, (0, 0)
 
 
 _LIB.impl("attention", _attention_autograd, "Autograd")
@@ -170,7 +179,9 @@ torch.library.register_fake("flash_jvp::attention", _attention_fake, lib=_LIB)
 torch.library.register_vmap("flash_jvp::attention", _attention_vmap, lib=_LIB)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
-    """o of ``flash_jvp::attention`` (q, k, v as the launchers take them, spec as the op's
-    scalar arguments)."""
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec
+) -> tuple[Tensor, Tensor]:
+    """o and lse of ``flash_jvp::attention`` (q, k, v as the launchers take them, spec as the
+    op's scalar arguments)."""
     return torch.ops.flash_jvp.attention(q, k, v, mask, *spec_args(spec))

@@ -302,9 +302,10 @@ def attn_fwd(
     mask: Tensor | None,
     mask_t: Tensor | None,
     spec: Spec,
-) -> tuple[Tensor, Tensor | None, Tensor]:
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """Fused forward. Returns o (shaped like q with v's head dim), o_t (same, or None
-    without tangents) and lse float32 in natural log ((B, H, Lq) dense, (H, total_q) packed).
+    without tangents), lse float32 in natural log ((B, H, Lq) dense, (H, total_q) packed)
+    and mu = rowsum(P o S_t), lse's tangent (laid out like lse, or None without tangents).
     Missing tangents count as zero and cost nothing. ``mask``: boolean or additive, a 4-D
     shape that broadcasts to (B, H, Lq, Lk); ``mask_t``: the additive mask's tangent."""
     lay = _Layout.of(q, k, v, spec)
@@ -313,8 +314,9 @@ def attn_fwd(
     o_t = _empty(o.shape, q) if tangent else None
     lse_shape = (lay.H, q.shape[0]) if spec.varlen else (lay.B, lay.H, lay.Lq)
     lse = _empty(lse_shape, q, torch.float32)
+    mu = _empty(lse_shape, q, torch.float32) if tangent else None
     if o.numel() == 0 or lay.B == 0:
-        return o, o_t, lse
+        return o, o_t, lse, mu
     tiles = _tile_args(lay)
     mask_min = torch.finfo(q.dtype).min
     mask_args = _mask_args(mask, lay, mask_min, by_keys=False)
@@ -336,7 +338,7 @@ def attn_fwd(
     key_args = _key_args(tiles, spec, K_DESC=k4, V_DESC=v4, K_T_DESC=k_t4, V_T_DESC=v_t4)
     key = ("fwd", tuple(tiles.values()), short, q.dtype, tuple(flags.values()), q.device.index)
     args = dict(
-        Q=q4, K=k4, V=v4, O=o4, LSE=lse,
+        Q=q4, K=k4, V=v4, O=o4, LSE=lse, MU=_or(mu, lse),
         # absent tensors: any valid pointer, never read (the switches are compile-time)
         Q_T=_or(q_t4, q4), K_T=_or(k_t4, k4), V_T=_or(v_t4, v4), O_T=_or(o_t4, o4),
         MASK=mask_args.pop("MASK", q4), MASK_T=_or(mask_t_full, q4),
@@ -359,7 +361,7 @@ def attn_fwd(
             MASK_SPLIT=split,
             **args,
         )
-    return o, o_t, lse
+    return o, o_t, lse, mu
 
 
 def _or(x: Tensor | None, default: Tensor) -> Tensor:
@@ -376,9 +378,12 @@ def attn_bwd(
     mask: Tensor | None,
     spec: Spec,
     mask_grad: bool = False,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Gradients dq, dk, dv (shaped and typed like q, k, v) of sum(o * do), and with
-    ``mask_grad`` that of the additive mask (shaped and typed like it; else None)."""
+    """Gradients dq, dk, dv (shaped and typed like q, k, v) of sum(o * do) [+ sum(lse *
+    dlse)], and with ``mask_grad`` that of the additive mask (shaped and typed like it; else
+    None). ``dlse``, the cotangent of lse (laid out like it), adds P * dlse to dS, which
+    the kernels get as delta - dlse."""
     lay = _Layout.of(q, k, v, spec)
     dq = _empty(q.shape, q)
     dk = _empty(k.shape, k)
@@ -400,6 +405,8 @@ def attn_bwd(
         BLOCK_M=configs.PREPROCESS_BLOCK_M, VARLEN=spec.varlen,
         STRIDE_ALIGN=_stride_align(o4, do4),
     )  # fmt: skip
+    if dlse is not None:
+        delta -= dlse  # dS = P o (dP - delta) + P * dlse
     mask_min = torch.finfo(q.dtype).min
     common = dict(
         Q=q4, K=k4, V=v4, DO=do4, LSE=lse, DELTA=delta, **seqlens,

@@ -114,6 +114,43 @@ def scaled_dot_product_attention(
             lambda q, k, v: flash_jvp.attention(q, k, v, is_causal=True),
             (q, k, v), (q_t, k_t, v_t))
     """
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return _attention(*args, with_lse=False)
+
+
+def attention_with_lse(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """:func:`scaled_dot_product_attention` that also returns the scores' log-sum-exp.
+
+    Arguments, shapes, errors and supported features as :func:`scaled_dot_product_attention`.
+
+    Returns:
+        ``o`` ``(N, ..., Hq, L, Ev)`` in query's dtype and ``lse`` ``(N, ..., Hq, L)``,
+        float32 (float64 on the CPU fallback for float64 inputs): the natural-log
+        ``logsumexp_j(scale * q_i . k_j [+ mask_ij])`` over the visible keys of each query
+        row; ``-inf`` for a row with no visible key (whose ``o`` is 0). With it, results
+        over disjoint key sets merge exactly: ``lse = logsumexp_b lse_b``,
+        ``o = sum_b exp(lse_b - lse) o_b`` (ring attention, split-KV decoding).
+
+    Differentiation: both outputs in both modes. The tangent of lse is
+    ``mu = rowsum(P o S_t)`` (``S_t`` the scores' tangent, the mask's tangent included),
+    computed in the same fused pass as o_t; its cotangent enters the backward as
+    ``dS += P * dlse`` (dS the scores' gradient). Backpropagating through lse's tangent
+    (like through o_t) raises ``NotImplementedError``.
+    """
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return _attention(*args, with_lse=True)
+
+
+def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, with_lse):
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     kernels = _kernels(query)
     _validate.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernels)
@@ -121,14 +158,16 @@ def scaled_dot_product_attention(
     if not kernels:
         with no_autocast(query.device):
             return reference.attention_ref(
-                query, key, value, attn_mask, is_causal, scale, enable_gqa
+                query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse=with_lse
             )
     lead = query.shape[:-3]
     q, k, v = (_batch_3d(x, lead) for x in (query, key, value))
     offset = reference.causal_offset(is_causal, attn_mask, q.shape[-2], k.shape[-2])
     mask = None if isinstance(attn_mask, CausalBias) else _mask_4d(attn_mask, lead)
-    o = _attend(q, k, v, mask, Spec(scale, offset))
-    return o if len(lead) == 1 else o.reshape(*lead, *o.shape[1:])
+    o, lse = _attend(q, k, v, mask, Spec(scale, offset))
+    if len(lead) != 1:
+        o, lse = o.reshape(*lead, *o.shape[1:]), lse.reshape(*lead, *lse.shape[1:])
+    return (o, lse) if with_lse else o
 
 
 def _batch_3d(x: Tensor, lead: tuple[int, ...]) -> Tensor:
@@ -162,7 +201,8 @@ def varlen_attention(
     max_seqlen_k: int,
     is_causal: bool = False,
     scale: float | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over a packed batch of variable-length sequences (no padding), with the
     same differentiation support as :func:`scaled_dot_product_attention`.
 
@@ -184,8 +224,12 @@ def varlen_attention(
             when a sequence's query and key lengths differ.
         scale: score scale; default ``1 / sqrt(E)``.
 
+        return_lse: also return the log-sum-exp, as :func:`attention_with_lse` does.
+
     Returns:
-        ``(total_q, Hq, Ev)``, dtype of ``q``. A sequence with no keys gives zeros.
+        ``(total_q, Hq, Ev)``, dtype of ``q``. A sequence with no keys gives zeros. With
+        ``return_lse``, ``(o, lse)`` with lse ``(Hq, total_q)`` float32 (flash-attn's
+        layout), ``-inf`` for rows with no keys.
 
     Raises:
         TypeError: non-tensor inputs, cu_seqlens not int32, a nested (jagged) tensor.
@@ -209,19 +253,24 @@ def varlen_attention(
     if not kernels:
         with no_autocast(q.device):
             return reference.varlen_attention_dense(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale
+                q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, with_lse=return_lse
             )
     spec = Spec(scale, 0 if is_causal else None, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k)  # fmt: skip
-    return _attend(q, k, v, None, spec)
+    o, lse = _attend(q, k, v, None, spec)
+    return (o, lse) if return_lse else o
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
-    """The kernel path. While torch.compile traces, through the ``flash_jvp::attention`` op,
-    which Dynamo treats as opaque (its tangent logic runs where AOTAutograd traces, see
-    _library.py); eagerly, the autograd.Functions directly: the same code, with every
-    torch.func transform composing and without the dispatcher's host time."""
-    if torch.compiler.is_compiling():
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec
+) -> tuple[Tensor, Tensor]:
+    """o and lse on the kernel path. While torch.compile traces, through the
+    ``flash_jvp::attention`` op, which Dynamo treats as opaque (its tangent logic runs where
+    AOTAutograd traces, see _library.py); eagerly, the autograd.Functions directly: the same
+    code, with every torch.func transform composing and without the dispatcher's host
+    time."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        # traced (torch.compile; make_fx, as in torch.func.linearize or export): the op
         return _library.attention(q, k, v, mask, spec)
     from . import _function  # imports functorch internals Dynamo must not trace
 

@@ -81,8 +81,11 @@ def attention_ref(
     scale: float | None = None,
     enable_gqa: bool = False,
     upcast: bool = True,
-) -> Tensor:
-    """softmax(scale * q k^T [+ mask]) v in plain torch ops (the CPU fallback).
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """softmax(scale * q k^T [+ mask]) v in plain torch ops (the CPU fallback); with
+    ``return_lse`` also the scores' log-sum-exp (..., Hq, Lq), float32 (float64 stays float64),
+    -inf for rows with no visible key.
 
     Arguments and shapes as SDPA: q (..., Hq, Lq, E), k (..., Hkv, Lk, E), v (..., Hkv, Lk,
     Ev) -> (..., Hq, Lq, Ev); ``attn_mask`` boolean, additive, or a ``CausalBias``. With
@@ -96,46 +99,61 @@ def attention_ref(
     offset = causal_offset(is_causal, attn_mask, q.shape[-2], k.shape[-2])
     mask = None if isinstance(attn_mask, CausalBias) else attn_mask
     dtype = _compute_dtype(q.dtype) if upcast else q.dtype
-    return _attend(q, k, v, mask, scale, offset, dtype)
+    o, lse = _attend(q, k, v, mask, scale, offset, dtype)
+    return (o, lse) if return_lse else o
 
 
-def _attend(q, k, v, mask, scale: float, offset: int | None, dtype: torch.dtype) -> Tensor:
-    """softmax(scale q k^T [+ causal] [+ mask]) v computed in ``dtype``, cast to q's dtype;
-    k and v with fewer heads than q are shared by groups of query heads (GQA)."""
+def _attend(q, k, v, mask, scale: float, offset: int | None, dtype: torch.dtype):
+    """(o, lse): o = softmax(scale q k^T [+ causal] [+ mask]) v computed in ``dtype``, cast to
+    q's dtype, and lse the scores' log-sum-exp in ``dtype`` (-inf for rows with no visible
+    key, whose o is 0); k and v with fewer heads than q are shared by groups of query heads
+    (GQA)."""
     qc, kc, vc = (x.to(dtype) for x in (q, k, v))
     if k.shape[-3] != q.shape[-3]:
         kc, vc = _expand_kv(kc, q.shape[-3]), _expand_kv(vc, q.shape[-3])
-    p = _softmax_probs(qc, kc, scale, offset, mask, torch.finfo(q.dtype).min)
-    return (p @ vc).to(q.dtype)
+    s = _scores(qc, kc, scale, offset, mask, torch.finfo(q.dtype).min)
+    p = torch.ops.aten._safe_softmax(s, -1)  # the softmax of math SDPA: masked rows give 0
+    # a masked row's logsumexp is taken of zeros (finite, in both AD modes) and replaced
+    visible = (s != -math.inf).any(-1)
+    lse = torch.logsumexp(torch.where(visible[..., None], s, 0.0), -1)
+    return (p @ vc).to(q.dtype), torch.where(visible, lse, -math.inf)
 
 
-def attention_spec(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec) -> Tensor:
-    """:func:`attention_ref` on the launchers' arguments: q, k, v (B, H, L, E) or packed
-    (total, H, E) with ``spec.varlen``, a boolean/additive ``mask`` broadcasting to the scores,
-    scale and causal offset from ``spec``; computed in float32 (float64 stays float64)."""
+def attention_spec(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec):
+    """(o, lse) as :func:`attention_ref` computes them, on the launchers' arguments: q, k, v
+    (B, H, L, E), or packed (total, H, E) with ``spec.varlen`` (lse then (H, total_q)), a
+    boolean/additive ``mask`` broadcasting to the scores, scale and causal offset from
+    ``spec``; computed in float32 (float64 stays float64)."""
     if spec.varlen:
         is_causal = spec.causal_offset is not None
         return varlen_attention_dense(
-            q, k, v, spec.cu_seqlens_q, spec.cu_seqlens_k, is_causal, spec.scale
+            q, k, v, spec.cu_seqlens_q, spec.cu_seqlens_k, is_causal, spec.scale, with_lse=True
         )
     return _attend(q, k, v, mask, spec.scale, spec.causal_offset, _compute_dtype(q.dtype))
 
 
-def varlen_attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale=None):
+def varlen_attention_dense(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale=None, with_lse: bool = False
+):
     """:func:`flash_jvp.varlen_attention` as one dense attention over all packed tokens with a
-    block-diagonal mask (query i sees the keys of its own sequence; with ``is_causal`` those at
-    most its own position in it, top-left aligned): no host copy of ``cu_seqlens`` and no
+    block-diagonal mask (:func:`varlen_mask`): no host copy of ``cu_seqlens`` and no
     data-dependent shapes, so it traces under torch.compile. Materialises (total_q, total_k)
-    scores per head; computed in float32 (float64 stays float64)."""
+    scores per head; computed in float32 (float64 stays float64). Returns o (total_q, Hq, Ev)
+    and, with ``with_lse``, lse (Hq, total_q)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    seq_q, pos_q = _seq_positions(cu_seqlens_q, q.shape[0])
-    seq_k, pos_k = _seq_positions(cu_seqlens_k, k.shape[0])
+    mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], is_causal)
+    o, lse = _attend(*(x.transpose(0, 1) for x in (q, k, v)), mask, scale, None,
+                     _compute_dtype(q.dtype))  # fmt: skip
+    return (o.transpose(0, 1), lse) if with_lse else o.transpose(0, 1)
+
+
+def varlen_mask(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, is_causal: bool):
+    """(total_q, total_k) boolean: packed query i sees the keys of its own sequence, with
+    ``is_causal`` those at most its own position in it (top-left aligned)."""
+    seq_q, pos_q = _seq_positions(cu_seqlens_q, total_q)
+    seq_k, pos_k = _seq_positions(cu_seqlens_k, total_k)
     mask = seq_q[:, None] == seq_k[None, :]
-    if is_causal:
-        mask = mask & (pos_k[None, :] <= pos_q[:, None])
-    o = _attend(*(x.transpose(0, 1) for x in (q, k, v)), mask, scale, None,
-                _compute_dtype(q.dtype))  # fmt: skip
-    return o.transpose(0, 1)
+    return mask & (pos_k[None, :] <= pos_q[:, None]) if is_causal else mask
 
 
 def _seq_positions(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
@@ -194,34 +212,31 @@ def attention_jvp(
     mask: Tensor | None,
     mask_t: Tensor | None,
     spec: Spec,
-) -> Tensor:
-    """Tangent o_t of attention for tangents of q, k, v and an additive mask (None = zero),
-    in closed form.
+) -> tuple[Tensor, Tensor]:
+    """Tangents (o_t, mu) of attention's output and log-sum-exp for tangents of q, k, v and
+    an additive mask (None = zero), in closed form.
 
-    S_t = scale (q_t k^T + q k_t^T) + mask_t, P_t = P o (S_t - rowsum(P o S_t)),
-    o_t = P_t v + P v_t, in float32 (float64 stays float64), cast to q's dtype. Shapes as
-    :func:`attention_ref` (packed ones with ``spec.varlen``). Used where the fused kernel
-    cannot run (tensors wrapped by an enclosing torch.func transform).
+    S_t = scale (q_t k^T + q k_t^T) + mask_t, mu = rowsum(P o S_t) (the tangent of lse),
+    P_t = P o (S_t - mu), o_t = P_t v + P v_t, in float32 (float64 stays float64); o_t cast
+    to q's dtype. Shapes as :func:`attention_ref`, or packed with ``spec.varlen`` (mu then
+    (H, total_q), like lse). Used where the fused kernel cannot run (tensors wrapped by an
+    enclosing torch.func transform).
     """
-    if spec.varlen:
-        cut = _sequences(spec.cu_seqlens_q, spec.cu_seqlens_k, (q, q_t), (k, v, k_t, v_t))
-        outs = [
-            attention_jvp(qs, ks, vs, qts, kts, vts, None, None, _dense(spec))
-            for qs, qts, ks, vs, kts, vts in cut
-        ]
-        return _pack(outs, q, v.shape[-1])
+    if spec.varlen:  # one dense problem with a block-diagonal mask, (H, total, E)
+        mask = varlen_mask(spec.cu_seqlens_q, spec.cu_seqlens_k, q.shape[0], k.shape[0],
+                           spec.causal_offset is not None)  # fmt: skip
+        rows = [None if x is None else x.transpose(0, 1) for x in (q, k, v, q_t, k_t, v_t)]
+        o_t, mu = attention_jvp(*rows[:3], *rows[3:], mask, None, Spec(spec.scale))
+        return o_t.transpose(0, 1), mu
     dtype = _compute_dtype(q.dtype)
     hq = q.shape[-3]
     q_, k_, v_ = q.to(dtype), _expand_kv(k.to(dtype), hq), _expand_kv(v.to(dtype), hq)
     q_t_, k_t_, v_t_ = _tangents(dtype, hq, ((q_t, q_, False), (k_t, k_, True), (v_t, v_, True)))
     p = _softmax_probs(q_, k_, spec.scale, spec.causal_offset, mask, torch.finfo(q.dtype).min)
-    s_t = _tangent_scores(q_, k_, q_t_, k_t_, mask_t, spec.scale)
-    p_t = p * (s_t - (p * s_t).sum(-1, keepdim=True))
-    return (p_t @ v_ + p @ v_t_).to(q.dtype)
-
-
-def _dense(spec: Spec) -> Spec:
-    return Spec(spec.scale, spec.causal_offset)
+    p_s_t = p * _tangent_scores(q_, k_, q_t_, k_t_, mask_t, spec.scale)
+    mu = p_s_t.sum(-1)
+    p_t = p_s_t - p * mu[..., None]
+    return (p_t @ v_ + p @ v_t_).to(q.dtype), mu
 
 
 def _tangent_scores(q, k, q_t, k_t, mask_t, scale) -> Tensor:
@@ -242,25 +257,27 @@ def attention_bwd_jvp(
     mask_t: Tensor | None,
     spec: Spec,
     mask_grad: bool = False,
+    dlse: Tensor | None = None,
+    dlse_t: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """Tangents of (dq, dk, dv[, dmask]) — forward-over-reverse — for tangents of q, k, v,
-    do and an additive mask.
+    do, an additive mask and the log-sum-exp's cotangent.
 
     Differentiates the backward formulas (P = softmax(S), dV = P^T dO, dP = dO V^T,
-    delta = rowsum(P o dP), dS = P o (dP - delta), dQ = s dS K, dK = s dS^T Q, dmask = dS)
-    along the tangents, in closed form, in float32 (float64 stays float64); None tangents
-    count as zero. Returns tensors shaped and typed like q, k, v (and the mask with
-    ``mask_grad``, summed over its broadcast dims).
+    delta = rowsum(P o dP), dS = P o (dP - delta + dlse), dQ = s dS K, dK = s dS^T Q,
+    dmask = dS) along the tangents, in closed form, in float32 (float64 stays float64); None
+    tangents (and a None dlse) count as zero. Returns tensors shaped and typed like q, k, v
+    (and the mask with ``mask_grad``, summed over its broadcast dims). Packed
+    (``spec.varlen``) inputs are one dense problem with a block-diagonal mask.
     """
     if spec.varlen:
-        cut = _sequences(spec.cu_seqlens_q, spec.cu_seqlens_k, (q, do, q_t, do_t), (k, v, k_t, v_t))
-        per_seq = [
-            attention_bwd_jvp(qs, ks, vs, dos, qts, kts, vts, dots, None, None, _dense(spec))
-            for qs, dos, qts, dots, ks, vs, kts, vts in cut
+        mask = varlen_mask(spec.cu_seqlens_q, spec.cu_seqlens_k, q.shape[0], k.shape[0],
+                           spec.causal_offset is not None)  # fmt: skip
+        rows = [
+            None if x is None else x.transpose(0, 1) for x in (q, k, v, do, q_t, k_t, v_t, do_t)
         ]
-        return tuple(
-            _pack([g[i] for g in per_seq], like, like.shape[-1]) for i, like in enumerate((q, k, v))
-        )
+        grads = attention_bwd_jvp(*rows, mask, None, Spec(spec.scale), False, dlse, dlse_t)
+        return tuple(g.transpose(0, 1) for g in grads)
     dtype = _compute_dtype(q.dtype)
     hq, hkv = q.shape[-3], k.shape[-3]
     q_, do_ = q.to(dtype), do.to(dtype)
@@ -276,6 +293,10 @@ def attention_bwd_jvp(
     dp_t = do_t_ @ v_.transpose(-2, -1) + do_ @ v_t_.transpose(-2, -1)
     delta = (p * dp).sum(-1, keepdim=True)
     delta_t = (p_t * dp + p * dp_t).sum(-1, keepdim=True)
+    if dlse is not None:  # lse's cotangent: dS gains P * dlse
+        delta = delta - dlse.to(dtype)[..., None]
+    if dlse_t is not None:
+        delta_t = delta_t - dlse_t.to(dtype)[..., None]
     ds = p * (dp - delta)
     ds_t = p_t * (dp - delta) + p * (dp_t - delta_t)
 

@@ -237,6 +237,7 @@ def attn_fwd_kernel(
     K_T,
     V_T,
     O_T,
+    MU,
     K_DESC,
     V_DESC,
     K_T_DESC,
@@ -320,12 +321,13 @@ def attn_fwd_kernel(
     STRIDE_ALIGN: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """o = softmax(scale * q k^T [+ mask]) v and lse for one [BLOCK_M] query block; o_t too
-    if tangents.
+    """o = softmax(scale * q k^T [+ mask]) v and lse for one [BLOCK_M] query block; with
+    tangents also o_t and mu = rowsum(P o S_t), the tangent of lse.
 
     Grid: (cdiv(Lq, BLOCK_M), B * H). q/o: (B, H, Lq, D|DV), k/v: (B, H // GROUP, Lk, D|DV),
     tangents shaped like their primals, mask and its tangent broadcast to (B, H, Lq, Lk)
-    through strides, lse: float32 natural log at LSE + b * stride_lb + h * stride_lh + row.
+    through strides, lse: float32 natural log at LSE + b * stride_lb + h * stride_lh + row,
+    mu laid out alike at MU.
     VARLEN: batch entry b is the packed sequence b (stride_*b = 0; Lq, Lk the longest).
     MASK_SPLIT (boolean masks): the launcher runs the kernel twice; launch 1 takes the query
     blocks whose every row sees exactly keys [lo, hi) (no mask loads: keys are bounded by hi),
@@ -414,6 +416,8 @@ def attn_fwd_kernel(
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + q_start + offs_m
     tl.store(lse_ptrs, lse, mask=offs_m < Lq)
     if TANGENT:
+        mu_ptrs = MU + off_b * stride_lb + off_h * stride_lh + q_start + offs_m
+        tl.store(mu_ptrs, mu_i, mask=offs_m < Lq)  # 0 without a tangent of the scores
         o_t_base = O_T + off_b * stride_otb + off_h * stride_oth + q_start * stride_otm
         store_split(o_t_base, (acc_t * inv_l[:, None]).to(o_ty),
                     (acc_t2 * inv_l[:, None]).to(o_ty), offs_m, stride_otm, stride_otd, Lq, DV,

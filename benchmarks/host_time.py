@@ -1,0 +1,254 @@
+"""Host time per call of flash_jvp's entry points, side by side with flash SDPA and the floor of
+torch.func.jvp, for one or more source trees of flash_jvp (before/after a change) in one run;
+and eager fwd+JVP GPU time at L = 1024 against jvp-flash-attention (if installed).
+
+Host time: each call on a problem too small to keep the GPU busy (B=H=1, L=128, E=64, bf16),
+so a loop of calls runs at the speed the host enqueues work (Python, torch's autograd and
+torch.func machinery, launches); the mean over ``--calls`` calls after a warm-up, median of
+``--repeats`` such loops. Every tree runs in its own subprocess (``PYTHONPATH=<tree>/src``) so
+the trees cannot share imported modules; the baselines run in each and are reported from the
+first (the spread between trees' baselines shows the machine's noise).
+
+    python benchmarks/host_time.py --tree after=. --tree before=/path/to/old/checkout \\
+        --out benchmarks/results
+
+Writes ``<date>-<gpu>-host-time.{json,md}`` with date, GPU, versions and the git commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+GPU_SHAPES = [  # (B, H, E) at L = 1024, as issue #16 states the comparison
+    (4, 16, 64),
+    (4, 8, 128),
+    (1, 32, 64),
+]
+
+
+def _host_rows(calls: int, repeats: int) -> dict[str, float]:
+    import torch
+    import torch.nn.functional as F
+    from torch.autograd import forward_ad as fwAD
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flash_jvp
+
+    def per_call(fn) -> float:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        loops = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            loops.append((time.perf_counter() - start) / calls * 1e6)
+        return statistics.median(loops)
+
+    def randn(grad=False):
+        x = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+        return x.requires_grad_(grad)
+
+    q, k, v = randn(), randn(), randn()
+    tangents = (randn(), randn(), randn())
+    qg, kg, vg = randn(True), randn(True), randn(True)
+    do = randn()
+
+    def flash(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    def forward_ad():
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(x, t) for x, t in zip((q, k, v), tangents)]
+            return fwAD.unpack_dual(flash_jvp.attention(*duals)).tangent
+
+    def scm_step():
+        o, o_t = torch.func.jvp(flash_jvp.attention, (qg, kg, vg), tangents)
+        torch.autograd.grad(o, (qg, kg, vg), do + o_t.detach())
+
+    rows = {
+        "flash SDPA fwd": lambda: flash(q, k, v),
+        "flash SDPA fwd+bwd": lambda: torch.autograd.grad(flash(qg, kg, vg), (qg, kg, vg), do),
+        "torch.func.jvp of q * k (floor)": lambda: torch.func.jvp(torch.mul, (q, k), tangents[:2]),
+        "forward_ad dual q * k (floor)": lambda: _forward_ad_floor(q, k, tangents),
+        "flash_jvp fwd": lambda: flash_jvp.attention(q, k, v),
+        "flash_jvp fwd+bwd": lambda: torch.autograd.grad(
+            flash_jvp.attention(qg, kg, vg), (qg, kg, vg), do
+        ),
+        "flash_jvp fwd+JVP (torch.func.jvp)": lambda: torch.func.jvp(
+            flash_jvp.attention, (q, k, v), tangents
+        ),
+        "flash_jvp fwd+JVP (forward_ad)": forward_ad,
+        "flash_jvp sCM step (jvp + backward)": scm_step,
+    }
+    return {name: per_call(fn) for name, fn in rows.items()}
+
+
+def _forward_ad_floor(q, k, tangents):
+    from torch.autograd import forward_ad as fwAD
+
+    with fwAD.dual_level():
+        return fwAD.unpack_dual(fwAD.make_dual(q, tangents[0]) * k).tangent
+
+
+def _gpu_rows() -> list[dict]:
+    """Eager fwd+JVP at L = 1024 (torch.func.jvp, host time included), flash_jvp against
+    jvp-flash-attention's JVPAttn.fwd_dual and flash SDPA's forward, causal and not."""
+    try:
+        from jvp_flash_attention.jvp_attention import JVPAttn
+    except ImportError as err:
+        JVPAttn, missing = None, f"not installed: {err}"
+    rows = []
+    for B, H, E in GPU_SHAPES:
+        for causal in (False, True):
+            row = {"B": B, "H": H, "L": 1024, "E": E, "causal": causal}
+            row.update(_l1024_times(B, H, E, causal, JVPAttn))
+            if JVPAttn is None:
+                row["jvp-flash-attention 0.14 error"] = missing
+            rows.append(row)
+    return rows
+
+
+def _l1024_times(B: int, H: int, E: int, causal: bool, JVPAttn) -> dict:
+    import torch
+    from triton.testing import do_bench
+
+    import flash_jvp
+
+    x = [torch.randn(B, H, 1024, E, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+    q, k, v, tangents = x[0], x[1], x[2], tuple(x[3:])
+    flops = 12 * B * H * 1024 * 1024 * E * (0.5 if causal else 1.0)
+    fns = {
+        "flash_jvp": lambda: torch.func.jvp(
+            lambda q, k, v: flash_jvp.attention(q, k, v, is_causal=causal), (q, k, v), tangents
+        ),
+        "flash SDPA fwd": lambda: _flash(q, k, v, causal),
+    }
+    if JVPAttn is not None:
+        fns["jvp-flash-attention 0.14"] = lambda: torch.func.jvp(
+            lambda q, k, v: JVPAttn.fwd_dual(q, k, v, causal=causal), (q, k, v), tangents
+        )
+    out = {}
+    for name, fn in fns.items():
+        try:
+            ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        except Exception as err:  # noqa: BLE001 - a row records why it has no time
+            out[f"{name} error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            ms = math.nan
+        out[f"{name} ms"] = ms
+        if name != "flash SDPA fwd":
+            out[f"{name} TFLOP/s"] = flops / (ms * 1e-3) / 1e12
+    return out
+
+
+def _flash(q, k, v, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _child(args) -> None:
+    out = {"host_us": _host_rows(args.calls, args.repeats)}
+    if args.gpu_rows:
+        out["gpu_rows"] = _gpu_rows()
+    print("RESULT " + json.dumps(out))
+
+
+def _run_tree(name: str, path: str, args, gpu_rows: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(path), "src"))
+    cmd = [sys.executable, __file__, "--child", "--calls", str(args.calls), "--repeats",
+           str(args.repeats)] + (["--gpu-rows"] if gpu_rows else [])  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+
+
+def _markdown(meta: dict, results: dict[str, dict]) -> str:
+    trees = list(results)
+    lines = [f"# flash_jvp host time, {meta['date']}", "", "```", json.dumps(meta, indent=1),
+             "```", "", "Host time per call (us), B=H=1, L=128, E=64, bf16 "
+             "(median of loops of calls):", "",
+             "| call | " + " | ".join(trees) + " |", "|---|" + "---|" * len(trees)]  # fmt: skip
+    names = next(iter(r["host_us"] for r in results.values() if "host_us" in r), {})
+    for name in names:
+        cells = [f"{results[t].get('host_us', {}).get(name, math.nan):.1f}" for t in trees]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for tree, res in results.items():
+        if "error" in res:
+            lines += ["", f"{tree}: failed: {res['error']}"]
+        gpu = res.get("gpu_rows")
+        if gpu:
+            keys = list(gpu[0])
+            lines += ["", f"Eager fwd+JVP at L = 1024 ({tree}; ms include host time):", "",
+                      "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]  # fmt: skip
+            for row in gpu:
+                lines.append(
+                    "| "
+                    + " | ".join(
+                        f"{x:.3f}" if isinstance(x, float) else str(x) for x in row.values()
+                    )
+                    + " |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a flash_jvp source tree to time (repeatable; default: this one)",
+    )
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gpu-rows", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("host_time.py needs a CUDA GPU")
+        return 2
+    trees = [t.split("=", 1) for t in args.tree] or [["this tree", "."]]
+    # the L = 1024 GPU rows only for the first tree (the current code)
+    results = {name: _run_tree(name, path, args, i == 0) for i, (name, path) in enumerate(trees)}
+    sys.path.insert(0, os.path.join(os.path.abspath(trees[0][1]), "src"))
+    from flash_jvp._env import environment
+
+    date = dt.datetime.now(dt.timezone.utc)
+    meta = {"date": date.isoformat(timespec="seconds"), **environment(),
+            "trees": dict(trees)}  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    gpu = meta.get("gpu", "gpu").replace("NVIDIA ", "").replace(" ", "-").lower()
+    stem = os.path.join(args.out, f"{date:%Y-%m-%d}-{gpu}-host-time")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(_markdown(meta, results))
+    print(_markdown(meta, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
