@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lse_reference import attention_with_lse_ref, install
+from lse_reference import attention_with_lse_ref
 
 NAMES = ("o", "o_t", "lse", "mu", "dq", "dk", "dv")
 GROUPS = (("o", "o_t"), ("lse", "mu"), ("dq", "dk", "dv"))
@@ -44,7 +44,6 @@ def spawn(world: int, job: str, *args, interpret: bool = False, backend: str = "
 
 def _entry(rank: int, world: int, store: str, backend: str, job: str, args) -> None:
     torch.set_num_threads(1)
-    install()
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -329,6 +328,12 @@ def _errors() -> list[str]:
                 q = fwAD.make_dual(q, torch.randn_like(q))
             ring(q, k, v)
 
+    def backprop_tangent(fn):
+        leaves = [x.requires_grad_() for x in qkv()]
+        _, o_t = torch.func.jvp(lambda *a: fn(*a, is_causal=True), tuple(leaves),
+                                tuple(torch.randn_like(x) for x in leaves))  # fmt: skip
+        o_t.sum().backward()
+
     mesh_2d = init_device_mesh("cpu", (1, p), mesh_dim_names=("dp", "cp"))
     q, k, v = qkv()
     expected = [
@@ -372,6 +377,8 @@ def _errors() -> list[str]:
             lambda: D.shard_sequence(torch.zeros(2, 5), 1, seq_layout="head_tail"),
         ),
         (ValueError, "method must be", lambda: D.context_parallel_sdpa(method="all").__enter__()),
+        (NotImplementedError, "through a forward-mode tangent", lambda: backprop_tangent(ring)),
+        (NotImplementedError, "through a forward-mode tangent", lambda: backprop_tangent(ulysses)),
     ]
     failures = []
     for exc_type, words, call in expected:

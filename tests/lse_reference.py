@@ -1,10 +1,10 @@
-"""A plain-PyTorch ``attention_with_lse`` for the tests, with the semantics of
+"""The float64 oracle of the distributed tests: ``attention_with_lse`` in plain PyTorch,
+written apart from flash_jvp (its fallback included), with the semantics of
 ``flash_jvp.attention_with_lse``: (o, lse), lse the natural-log log-sum-exp of the scaled
 scores in float32 (float64 for float64 inputs), -inf (and o 0) for rows that see no key.
 
 Plain torch ops, so reverse mode and forward mode differentiate it (the tangent of lse is
-rowsum(P o S_t); its cotangent enters as dS += P dlse). Until flash_jvp has its own
-``attention_with_lse``, :func:`install` puts this one in its place for the tests.
+rowsum(P o S_t); its cotangent enters as dS += P dlse).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-import flash_jvp
 
 
 def attention_with_lse_ref(
@@ -39,12 +37,3 @@ def attention_with_lse_ref(
     o = ((e / total) @ v).to(query.dtype)
     lse = torch.where(seen, m + torch.log(total), -math.inf).squeeze(-1)
     return o, lse
-
-
-def install() -> bool:
-    """Use :func:`attention_with_lse_ref` as ``flash_jvp.attention_with_lse`` when flash_jvp
-    has none; True if it did."""
-    if hasattr(flash_jvp, "attention_with_lse"):
-        return False
-    flash_jvp.attention_with_lse = attention_with_lse_ref
-    return True

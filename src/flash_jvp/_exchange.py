@@ -263,12 +263,20 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
+        if any(g is not None for g in grads[ctx.n :]):
+            raise NotImplementedError(_NO_TANGENT_GRAD)
         present = [i for i, g in enumerate(grads) if g is not None]
         out: list[Tensor | None] = [None] * len(grads)
         if present:
             for i, g in zip(present, ctx.route.adjoint()([grads[i] for i in present])):
                 out[i] = g
         return (None, None, *out)
+
+
+_NO_TANGENT_GRAD = (
+    "flash_jvp.distributed: backpropagating through a forward-mode tangent (o_t) is not "
+    "supported; detach it in the loss (as sCM/MeanFlow losses do: o_t.detach())."
+)
 
 
 def _tangent(x: Tensor) -> Tensor | None:
@@ -295,26 +303,31 @@ def exchange(route, xs: list[Tensor]) -> list[Tensor]:
     The tangents are taken off the inputs and passed to the Function as inputs of their own,
     and its outputs are made duals again here (as ``flash_jvp.attention`` does): under
     ``torch.func.jvp`` one level down, the tensors unwrapped from the transform's level and
-    wrapped again; under ``forward_ad``, with the primals' plain values. ``vmap`` (and so
-    ``jacfwd``/``jacrev``) is refused.
+    wrapped again; under ``forward_ad``, with the primals' plain values. The tangents go in
+    detached: a gradient reaching a moved tangent raises NotImplementedError (as through
+    flash_jvp's o_t), and autograd does not walk the tangents' own graphs with empty
+    gradients (which also fails where torch's forward-AD formulas wrote in place, e.g.
+    ``logsumexp`` under ``forward_ad``). ``vmap`` (and so ``jacfwd``/``jacrev``) is refused.
     """
     refuse_vmap()
     n = len(xs)
     tangents = [_tangent(x) for x in xs]
     has_t = tuple(i for i, t in enumerate(tangents) if t is not None)
+    moved = [tangents[i] for i in has_t]
     top = peek_interpreter_stack()
     if top is None or top.key() != TransformType.Jvp:
         primals = [x if t is None else torch._unpack_dual(x, 0)[0] for x, t in zip(xs, tangents)]
-        outs = _Exchange.apply(route, has_t, *primals, *(tangents[i] for i in has_t))
+        outs = _Exchange.apply(route, has_t, *primals, *(t.detach() for t in moved))
         result = list(outs[:n])
         for j, i in enumerate(has_t):
             result[i] = torch._make_dual(result[i], outs[n + j], 0)
         return result
     interp = coerce_cinterpreter(top)
     level = interp.level()
-    args = [*xs, *(tangents[i] for i in has_t)]
     with interp.lower():
-        outs = _Exchange.apply(route, has_t, *(_unwrap_for_grad(a, level) for a in args))
+        args = [_unwrap_for_grad(x, level) for x in xs]
+        args += [_unwrap_for_grad(t, level).detach() for t in moved]
+        outs = _Exchange.apply(route, has_t, *args)
     result = [_wrap_for_grad(o, level) for o in outs[:n]]
     for j, i in enumerate(has_t):
         result[i] = torch._make_dual(result[i], _wrap_for_grad(outs[n + j], level), 0)
