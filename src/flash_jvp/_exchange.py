@@ -66,9 +66,11 @@ def _unpack(buf: Tensor, likes: list[tuple[torch.Size, torch.dtype]]) -> list[Te
     return out
 
 
-def _buffer(likes: list[tuple[torch.Size, torch.dtype]], device: torch.device) -> Tensor:
-    return torch.empty(sum(_padded(_nbytes(*like)) for like in likes), dtype=torch.uint8,
-                       device=device)  # fmt: skip
+def _buffer(likes: list[tuple[torch.Size, torch.dtype]], device, rows: tuple = ()) -> Tensor:
+    """An uninitialised uint8 buffer ``(*rows, bytes)`` for tensors laid out by
+    :func:`_unpack` (in each row)."""
+    nbytes = sum(_padded(_nbytes(*like)) for like in likes)
+    return torch.empty(*rows, nbytes, dtype=torch.uint8, device=device)
 
 
 def _pack(pieces: list[Tensor], device: torch.device) -> Tensor:
@@ -102,25 +104,36 @@ class AllToAll:
 
     def __call__(self, xs: list[Tensor]) -> list[Tensor]:
         p = self.size
-        # (P, ...) per tensor: row j goes to rank j
+        # per tensor (P, ...): row j goes to rank j
         if self.to_heads:
             rows = [x.unflatten(1, (p, x.shape[1] // p)).movedim(1, 0) for x in xs]
         else:
             rows = [x.unflatten(2, (p, x.shape[2] // p)).movedim(2, 0) for x in xs]
-        send = torch.cat([r.reshape(p, -1).view(torch.uint8) for r in rows], dim=1)
+        likes = [(r.shape[1:], r.dtype) for r in rows]
+        send = _buffer(likes, xs[0].device, rows=(p,))
+        for view, r in zip(_row_views(send, likes), rows):
+            view.copy_(r)  # one strided copy per tensor
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        out, at = [], 0
-        for x, r in zip(xs, rows):
-            n = r[0].numel() * r.element_size()
-            got = recv[:, at : at + n].contiguous().view(x.dtype).view(r.shape)
-            at += n
-            if self.to_heads:  # (P, B, H/P, L, ...) -> (B, H/P, P*L, ...)
-                got = got.movedim(0, 2).flatten(2, 3)
+        del send
+        out = []
+        for got in _row_views(recv, likes):  # (P, B, H/P, L, ...) from the P ranks
+            if self.to_heads:  # -> (B, H/P, P*L, ...)
+                out.append(got.movedim(0, 2).flatten(2, 3))
             else:  # (P, B, H/P, L/P, ...) -> (B, H, L/P, ...)
-                got = got.movedim(0, 1).flatten(1, 2)
-            out.append(got)
+                out.append(got.movedim(0, 1).flatten(1, 2))
         return out
+
+
+def _row_views(buf: Tensor, likes) -> list[Tensor]:
+    """Views ``(P, *shape)`` of the rows of the uint8 ``buf`` (P, bytes), laid out as
+    :func:`_unpack` lays out one row."""
+    out, at = [], 0
+    for shape, dtype in likes:
+        n = _nbytes(shape, dtype)
+        out.append(buf[:, at : at + n].view(dtype).unflatten(1, shape))
+        at += _padded(n)
+    return out
 
 
 class RingShift:
@@ -224,6 +237,22 @@ class Permute:
                 for o in out:
                     self._piece(o, self.dst[g][1]).copy_(next(views))
         return out
+
+
+class Stay:
+    """The route that moves nothing (a copy on this rank). Through :func:`exchange` it gives
+    tensors whose forward-mode tangents have no autograd graph of their own: what computed
+    them (e.g. the ring's merge, in plain ops) is freed at once instead of living as long as
+    the tangent (until after the backward in an sCM step)."""
+
+    def __call__(self, xs: list[Tensor]) -> list[Tensor]:
+        return [x.clone() for x in xs]
+
+    def adjoint(self) -> Stay:
+        return self
+
+    def fresh(self) -> Stay:
+        return self
 
 
 def _global(group, group_rank: int) -> int:

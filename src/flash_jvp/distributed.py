@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from . import _validate, api
-from ._exchange import AllToAll, Permute, RingShift, _tangent, exchange, refuse_vmap
+from ._exchange import AllToAll, Permute, RingShift, Stay, _tangent, exchange, refuse_vmap
 from ._utils import uses_kernels
 
 Tensor = torch.Tensor
@@ -217,29 +217,37 @@ def ring_attention(
         q, k, v = exchange(Permute.zigzag(group), [q, k, v])
     o, lse = _ring(group, q, k, v, opts)
     outs = [o, lse] if return_lse else [o]
-    if reshard:
-        outs = exchange(Permute.zigzag(group).adjoint(), outs)
+    # the merge's tangent computations hold autograd buffers as long as o_t lives, unless the
+    # exchange back (or a local one) cuts them off
+    outs = exchange(Permute.zigzag(group).adjoint() if reshard else Stay(), outs)
     return tuple(outs) if return_lse else outs[0]
 
 
 def _ring(group, q: Tensor, k: Tensor, v: Tensor, opts: dict) -> tuple[Tensor, Tensor]:
     """The ring loop on q, k, v in the layout the blocks assume (zig-zag when causal):
-    o in q's dtype and lse in the accumulation dtype, for this rank's rows."""
+    o in q's dtype and lse in the accumulation dtype, for this rank's rows.
+
+    Without autograd the blocks are merged as they come (a running float32 (o, lse) per row
+    segment, each block freed after its step); with autograd all at the end, so that the
+    merge saves each block's o_b, which the block's attention saves anyway, instead of a
+    float32 running sum per step."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
-    acc: dict[str, tuple[Tensor, Tensor]] = {}  # row segment -> running (o, lse)
+    at_end = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    parts: dict[str, list[tuple[Tensor, Tensor]]] = {}  # row segment -> (o, lse) to merge
     kv = [k, v]
     for step in range(p):
         if step < p - 1:  # start sending this block on while computing with it
             shift = RingShift(group, deferred=True)
             incoming = exchange(shift, kv)
         for segment, o_b, lse_b in _block(q, *kv, (rank - step) % p, rank, opts):
-            acc[segment] = _merge(acc.get(segment), o_b, lse_b, q.dtype)
+            parts.setdefault(segment, []).append((o_b, lse_b))
+            if not at_end:
+                parts[segment] = [_merge(parts[segment], q.dtype)]
         if step < p - 1:
             shift.wait()
             kv = incoming
-    segments = [acc[s] for s in ("lo", "hi")] if opts["is_causal"] else [acc["all"]]
-    o = torch.cat([s[0] for s in segments], dim=2) if len(segments) > 1 else segments[0][0]
-    lse = torch.cat([s[1] for s in segments], dim=2) if len(segments) > 1 else segments[0][1]
+    merged = [_merge(parts[s], q.dtype) for s in (("lo", "hi") if opts["is_causal"] else ("all",))]
+    o, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in zip(*merged))
     return o.to(q.dtype), lse
 
 
@@ -264,25 +272,25 @@ def _block(q: Tensor, k: Tensor, v: Tensor, src: int, rank: int, opts: dict) -> 
     yield "hi", o[:, :, c:], lse[:, :, c:]
 
 
-def _merge(acc, o_b: Tensor, lse_b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The running (o, lse) merged with a block's (o_b, lse_b) in float32 (float64 for
-    float64 inputs): lse = log(e^lse_a + e^lse_b), o = e^(lse_a - lse) o_a + e^(lse_b - lse)
-    o_b. Plain torch ops, so forward AD and autograd differentiate it; rows with both lse
-    -inf (no key seen yet) give lse -inf and o 0, with zero derivatives, not NaN."""
-    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    o_b, lse_b = o_b.to(acc_dtype), lse_b.to(acc_dtype)
-    if acc is None:
-        return o_b, lse_b
-    o_a, lse_a = acc
+def _merge(parts: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Blocks' (o_b, lse_b) over disjoint keys merged in float32 (float64 for float64
+    inputs): lse = log sum_b e^lse_b, o = sum_b e^(lse_b - lse) o_b. Plain torch ops, so
+    forward AD and autograd differentiate it; rows no block reached (every lse_b -inf) give
+    lse -inf and o 0, with zero derivatives, not NaN."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    if len(parts) == 1:
+        return parts[0][0].to(acc), parts[0][1].to(acc)
+    lse_b = torch.stack([lse.to(acc) for _, lse in parts])
     # any shift m gives the same result; the detached row max keeps exp() in range
-    m = torch.maximum(lse_a, lse_b).detach()
+    m = lse_b.amax(0).detach()
     m = m.masked_fill(m == -math.inf, 0.0)
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    total = w_a + w_b
+    w = torch.exp(lse_b - m)
+    total = w.sum(0)
     seen = total > 0
     total = torch.where(seen, total, 1.0)
     lse = torch.where(seen, m + torch.log(total), -math.inf)
-    o = o_a * (w_a / total).unsqueeze(-1) + o_b * (w_b / total).unsqueeze(-1)
+    w = (w / total).unsqueeze(-1)
+    o = sum(w[i] * o_b for i, (o_b, _) in enumerate(parts))  # float32: w's dtype wins
     return o, lse
 
 
