@@ -418,9 +418,33 @@ class Block(torch.nn.Module):
         return x + self.mlp(x)
 
 
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(Block(), Block()).double()
+@dataclass
+class Models:
+    """Where the model checks run: CPU in float64 (the fallback; 1e-10 agreement) or CUDA in
+    float32 (the kernels, IEEE fp32: 1e-4)."""
+
+    device: str = "cpu"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float64 if self.device == "cpu" else torch.float32
+
+    @property
+    def tol(self) -> float:
+        return 1e-10 if self.device == "cpu" else 1e-4
+
+    def here(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else "cpu"
+
+    def model(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(Block(), Block()).to(self.here(), self.dtype)
+
+    def inputs(self) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(11)
+        p = dist.get_world_size()
+        return [torch.randn(2, 4 * p, 16, generator=g, dtype=torch.float64).to(self.here(),
+                self.dtype) for _ in range(3)]  # fmt: skip
 
 
 def scm_step(model, x, x_t, target):
@@ -432,51 +456,54 @@ def scm_step(model, x, x_t, target):
     return pred.detach(), dpred.detach()
 
 
-def _model_inputs(p: int):
-    g = torch.Generator().manual_seed(11)
-    return [torch.randn(2, 4 * p, 16, generator=g, dtype=torch.float64) for _ in range(3)]
-
-
-def _reference(x, x_t, target):
+def _reference(m: Models, x, x_t, target):
     import flash_jvp
 
-    model = make_model()
+    model = m.model()
     with flash_jvp.patch_sdpa():
         pred, dpred = scm_step(model, x, x_t, target)
     return pred, dpred, [prm.grad for prm in model.parameters()]
 
 
-def _compare_model(name, pred, dpred, grads, ref) -> list[str]:
+def _compare_model(m: Models, name, pred, dpred, grads, ref) -> list[str]:
     failures = []
     pairs = [("pred", pred, ref[0]), ("dpred", dpred, ref[1])]
     pairs += [(f"grad {i}", g, r) for i, (g, r) in enumerate(zip(grads, ref[2]))]
     for what, ours, theirs in pairs:
         err = rel_err(ours, theirs, 0.0)
-        if not err < 1e-10:
+        if not err < m.tol:
             failures.append(f"{name}: {what} rel err {err:.2e}")
     return failures
 
 
-def job_models() -> list[str]:
-    """The sCM step through context_parallel_sdpa: with shard_sequence, inside torch's
-    context_parallel (head-tail layout), with FSDP2 (fully_shard) on the same ranks, and with
-    DDP under forward_ad."""
+def job_models(device: str = "cpu", parts=("cp", "torch_cp", "fsdp2", "ddp")) -> list[str]:
+    """The sCM step (torch.func.jvp, then backward) through context_parallel_sdpa against the
+    single-process model: with shard_sequence (``cp``), inside torch's context_parallel
+    (head-tail layout, ``torch_cp``), with FSDP2's fully_shard on the same ranks (``fsdp2``),
+    and with DDP under forward_ad (``ddp``)."""
     from flash_jvp import distributed as D
 
-    p = dist.get_world_size()
-    x, x_t, target = _model_inputs(p)
-    ref = _reference(x, x_t, target)
+    m = Models(device)
+    x, x_t, target = m.inputs()
+    ref = _reference(m, x, x_t, target)
     failures = []
     for method in ("ring", "ulysses"):
-        model = make_model()
-        with D.context_parallel_sdpa(method=method):
-            pred, dpred = scm_step(model, *(D.shard_sequence(t, 1) for t in (x, x_t, target)))
-        grads = [_all_reduce(prm.grad) for prm in model.parameters()]
-        failures += _compare_model(f"context_parallel_sdpa {method}", gather_seq(pred, dim=1),
-                                   gather_seq(dpred, dim=1), grads, ref)  # fmt: skip
-        failures += _torch_context_parallel(method, x, x_t, target, ref)
-        failures += _fsdp2(method, x, x_t, target, ref)
-    return failures + _ddp_forward_ad(x, x_t, target, ref)
+        if "cp" in parts:
+            model = m.model()
+            with D.context_parallel_sdpa(method=method):
+                local = (D.shard_sequence(t, 1) for t in (x, x_t, target))
+                pred, dpred = scm_step(model, *local)
+            grads = [_all_reduce(prm.grad) for prm in model.parameters()]
+            failures += _compare_model(m, f"context_parallel_sdpa {method}",
+                                       gather_seq(pred, dim=1), gather_seq(dpred, dim=1), grads,
+                                       ref)  # fmt: skip
+        if "torch_cp" in parts:
+            failures += _torch_context_parallel(m, method, x, x_t, target, ref)
+        if "fsdp2" in parts:
+            failures += _fsdp2(m, method, x, x_t, target, ref)
+    if "ddp" in parts:
+        failures += _ddp_forward_ad(m, x, x_t, target, ref)
+    return failures
 
 
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -485,35 +512,40 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _torch_context_parallel(method, x, x_t, target, ref) -> list[str]:
+def _mesh(m: Models):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(m.device, (dist.get_world_size(),))
+
+
+def _torch_context_parallel(m: Models, method, x, x_t, target, ref) -> list[str]:
     """torch's context_parallel shards the buffers (head-tail order: the global length is a
     multiple of 2P); our router serves the SDPA calls."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
     from flash_jvp import distributed as D
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = _mesh(m)
     bufs = [t.clone() for t in (x, x_t, target)]
-    model = make_model()
+    model = m.model()
     shard = context_parallel(mesh, buffers=bufs, buffer_seq_dims=[1, 1, 1])
     with shard, D.context_parallel_sdpa(mesh, method=method, seq_layout="head_tail"):
         pred, dpred = scm_step(model, *bufs)
     grads = [_all_reduce(prm.grad) for prm in model.parameters()]
-    return _compare_model(f"torch context_parallel + {method}", gather_seq(pred, "head_tail", 1),
-                          gather_seq(dpred, "head_tail", 1), grads, ref)  # fmt: skip
+    return _compare_model(m, f"torch context_parallel + {method}",
+                          gather_seq(pred, "head_tail", 1), gather_seq(dpred, "head_tail", 1),
+                          grads, ref)  # fmt: skip
 
 
-def _fsdp2(method, x, x_t, target, ref) -> list[str]:
+def _fsdp2(m: Models, method, x, x_t, target, ref) -> list[str]:
     """fully_shard over the context-parallel ranks: its reduce-scatter adds the ranks'
     partial gradients (divide factor 1: each rank's loss covers its own tokens only)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from flash_jvp import distributed as D
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = make_model()
+    mesh = _mesh(m)
+    model = m.model()
     for block in model:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -525,11 +557,11 @@ def _fsdp2(method, x, x_t, target, ref) -> list[str]:
         with D.context_parallel_sdpa(mesh, method=method):
             pred, dpred = scm_step(model, *(D.shard_sequence(t, 1) for t in (x, x_t, target)))
     grads = [prm.grad.full_tensor() for prm in model.parameters()]
-    return _compare_model(f"FSDP2 + {method}", gather_seq(pred, dim=1), gather_seq(dpred, dim=1),
-                          grads, ref)  # fmt: skip
+    return _compare_model(m, f"FSDP2 + {method}", gather_seq(pred, dim=1),
+                          gather_seq(dpred, dim=1), grads, ref)  # fmt: skip
 
 
-def _ddp_forward_ad(x, x_t, target, ref) -> list[str]:
+def _ddp_forward_ad(m: Models, x, x_t, target, ref) -> list[str]:
     """DDP with forward_ad dual tensors, two steps (torch.func.jvp through DDP fails in its
     second step inside DDP's bucket rebuild, torch's own issue; see the module docs)."""
     import torch.autograd.forward_ad as fwAD
@@ -537,7 +569,7 @@ def _ddp_forward_ad(x, x_t, target, ref) -> list[str]:
 
     from flash_jvp import distributed as D
 
-    model = DDP(make_model())
+    model = DDP(m.model())
     x, x_t, target = (D.shard_sequence(t, 1) for t in (x, x_t, target))
     for _ in range(2):
         model.zero_grad()
@@ -546,5 +578,5 @@ def _ddp_forward_ad(x, x_t, target, ref) -> list[str]:
             loss = ((pred - target) ** 2).sum() + (pred * dpred.detach()).sum()
         loss.backward()
     grads = [prm.grad * dist.get_world_size() for prm in model.parameters()]  # DDP averages
-    return _compare_model("DDP + forward_ad + ring", gather_seq(pred, dim=1),
+    return _compare_model(m, "DDP + forward_ad + ring", gather_seq(pred, dim=1),
                           gather_seq(dpred, dim=1), grads, ref)  # fmt: skip
