@@ -258,10 +258,20 @@ def _curve(run: Run, key: str) -> list[float]:
     return run.losses if key == "loss" else run.stats[key]
 
 
+def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (these scripts only write PNGs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_losses(runs: list[Run], path: str, title: str, key: str = "loss") -> None:
     """The training curve ``key`` of each run, their absolute difference per step, and the
     Fréchet distance of 1- and 2-step samples during training."""
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for i, run in enumerate(runs):  # the second run dashed, over the first
@@ -286,6 +296,7 @@ def plot_losses(runs: list[Run], path: str, title: str, key: str = "loss") -> No
         else:
             axes[1].text(0.5, 0.5, f"identical at all {len(diff)} steps", ha="center",
                          transform=axes[1].transAxes)  # fmt: skip
+            axes[1].set(xticks=[], yticks=[])
         axes[1].set(xlabel="step", title=f"|{key}, {runs[0].attention} - {runs[1].attention}|")
     else:
         axes[1].axis("off")
@@ -303,7 +314,7 @@ def plot_losses(runs: list[Run], path: str, title: str, key: str = "loss") -> No
 
 def plot_samples(images: dict[str, Tensor], path: str) -> None:
     """One 10 x 10 grid per entry (row = digit)."""
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, axes = plt.subplots(1, len(images), figsize=(4 * len(images), 4.3))
     for ax, (name, x) in zip(np.atleast_1d(axes), images.items()):
@@ -318,7 +329,7 @@ def plot_samples(images: dict[str, Tensor], path: str) -> None:
 
 
 def plot_quality(quality: dict[str, dict], path: str) -> None:
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     names = list(quality)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))

@@ -37,7 +37,8 @@ def fallback(monkeypatch):
 @pytest.mark.parametrize("example", [meanflow, scm], ids=["meanflow", "scm"])
 def test_example_trains_and_attentions_agree(fallback, example, tmp_path):
     """The command line end to end for 4 steps in float64: finite losses, flash_jvp's and
-    math SDPA's per-step losses equal to rounding, every output written."""
+    math SDPA's per-step losses equal to rounding, every output written. (In the first steps
+    adaLN-Zero's gates keep the attention's part tiny; the next test compares it live.)"""
     argv = ["--steps", "4", "--batch-size", "16", "--dtype", "float64", "--log-every", "0",
             "--samples-per-class", "10", "--evals", "1", "--out", str(tmp_path)]  # fmt: skip
     metrics = example.run(argv)
@@ -64,6 +65,34 @@ def _model(num_times):
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
     return model
+
+
+def _objective_and_grads(example, model, attention):
+    """One batch of ``example``'s objective through ``attention``, and its gradients."""
+    dit.set_attention(model, attention)
+    gen = torch.Generator().manual_seed(1)
+    x0 = torch.rand(6, 1, 8, 8, generator=gen, dtype=torch.float64) * 2 - 1
+    y = torch.arange(6)
+    extra = example.METHOD.make_extra("cpu", torch.float64)
+    loss, _ = example.loss(model, x0, y, 50, 100, gen, extra=extra)
+    loss = loss.mean()
+    return loss, torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.parametrize("example", [meanflow, scm], ids=["meanflow", "scm"])
+def test_objective_through_flash_jvp_equals_math_sdpa(fallback, example):
+    """With every weight live (adaLN-Zero's zero gates would hide the attention, as in the
+    first steps of training), the objective and all gradients through flash_jvp equal those
+    through math SDPA (float64), and the attention's weights get gradient."""
+    model = _model(example.METHOD.num_times)
+    loss, grads = _objective_and_grads(example, model, "flash_jvp")
+    ref_loss, ref_grads = _objective_and_grads(example, model, "math")
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
+    names = [n for n, _ in model.named_parameters()]
+    qkv = grads[names.index("blocks.0.attn.qkv.weight")]
+    assert qkv.abs().max() > 1e-4  # the attention takes part
 
 
 def test_meanflow_objective_matches_finite_differences(fallback):
