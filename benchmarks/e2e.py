@@ -33,16 +33,18 @@ enqueued back to back, so host time the GPU waits for counts); peak GiB
 activations); GPU-busy ms (torch.profiler, one step: the sum of the durations of all CUDA
 kernels, memcpys and memsets) and the attention kernels' part of it. Attention kernels: a
 kernel whose name matches ``KERNEL_RE`` (flash_jvp's Triton kernels ``attn_fwd_kernel``,
-``attn_bwd_*``, ``mask_ranges_kernel``; torch's flash/efficient/cuDNN SDPA kernels; softmax
-kernels) or one launched inside an op matching ``OP_RE`` (``aten::bmm``, the softmax ops
-with their JVP formulas and backward nodes, SDPA ops). Graph-replayed kernels have no
+``attn_bwd_*``, ``mask_ranges_kernel``; torch's flash/efficient/cuDNN SDPA kernels), wherever
+it was launched, or one launched inside an op matching ``OP_RE`` or below one (``aten::bmm``,
+the softmax ops with the ops of their JVP formulas, their backward nodes, SDPA ops; not the
+cross-entropy's log-softmax, not the linear layers' GEMMs). Graph-replayed kernels have no
 launching op, so for ``plain graph`` the share is not reported. The plain path's elementwise
 work outside those ops (the scale, the causal mask, GQA's repeat_interleave) counts as
 non-attention, so its share is a lower bound.
 
 Rows that fail (out of memory, compile errors, a CUDA graph whose loss differs from the eager
-step's) are recorded and the run goes on; the JSON is rewritten after every row. Rows that
-would start after ``--budget-s`` seconds are skipped (compile rows run last).
+step's) are recorded and the run goes on; JSON and markdown are rewritten after every row.
+Rows that would start after ``--budget-s`` seconds are skipped (compile rows run last; one
+compile can itself take minutes).
 
     python -m benchmarks.e2e [--quick] [--rows dit256,lm4k] [--methods ...] [--out DIR]
     python -m flash_jvp bench --e2e [--quick]          # the same, from a source checkout
