@@ -62,8 +62,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, kind: str, is_causal: bool = False) 
     if kind == "flash_jvp":
         return flash_jvp.attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
     if kind == "math":
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+        # Under bf16 autocast, torch's math SDPA inside a JVP fails in its backward ("expected
+        # input and grad types to match", softmax's backward; H200, torch 2.11): the math
+        # reference computes in at least float32, autocast off, and hands back q's dtype.
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False), sdpa_kernel(SDPBackend.MATH):
+            o = F.scaled_dot_product_attention(
+                q.to(dtype), k.to(dtype), v.to(dtype), is_causal=is_causal, enable_gqa=gqa
+            )
+        return o.to(q.dtype)
     if kind == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
     if kind == "plain":
