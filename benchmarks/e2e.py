@@ -18,7 +18,7 @@ Methods (``--methods``):
 * ``plain``: attention in plain ops (softmax(q k^T * scale) v), the JVP step, eager;
 * ``plain graph``: the same step captured whole in one CUDA graph and replayed;
 * ``flash_jvp`` / ``flash_jvp graph``: the JVP step through flash_jvp, eager / replayed;
-* ``flash_jvp compile``: the JVP step's forward (jvp + loss) under
+* ``flash_jvp compile`` (``plain compile``, on request): the JVP step's forward (jvp + loss) under
   ``torch.compile(fullgraph=True)``, backward through autograd; a failure is recorded;
 * ``sdpa no-JVP`` / ``sdpa no-JVP compile``: the floor, a plain training step without a JVP
   (TrigFlow diffusion loss; LM cross-entropy) through torch's default SDPA (flash on the
@@ -299,10 +299,11 @@ METHODS = {
         MethodSpec("sdpa no-JVP", "sdpa", False, "eager"),
         MethodSpec("math", "math", True, "eager", profile=False),
         MethodSpec("flash_jvp compile", "flash_jvp", True, "compile", profile=False),
+        MethodSpec("plain compile", "plain", True, "compile", profile=False),
         MethodSpec("sdpa no-JVP compile", "sdpa", False, "compile", profile=False),
     )
 }
-DEFAULT_METHODS = tuple(m for m in METHODS if m != "math")
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("math", "plain compile"))
 
 
 @dataclass
@@ -871,8 +872,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         help=f"methods, comma-separated, from {','.join(METHODS)} "
-        "(default: all but math; --smoke: no compile rows, which take minutes on a "
-        "CPU)",
+        "(default: all but math and plain compile; --smoke: no compile rows, which take "
+        "minutes on a CPU)",
     )
     p.add_argument(
         "--quick", action="store_true", help="3 timed steps, no compile rows, no profiles"
