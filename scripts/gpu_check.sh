@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU tier, one device call: the whole test suite on CUDA, `python -m flash_jvp check`, and
 # optionally the benchmark and config tuning. Logs go to $OUT (the device tool's output folder)
-# or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [check] [bench] [long] [tune]
+# or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [check] [bench] [long] [tune] [e2e]
+# [examples] (e2e: benchmarks/e2e.py, ~5 min; examples: MeanFlow and sCM on the digits with
+# --device cuda, ~2-3 min each, needing scikit-learn and matplotlib)
 # TESTS: test paths for the tests step (default: tests). Compiled kernels are cached under
 # gpu-results/ (ignored by git), so consecutive calls on a still-warm device reuse them.
 set -uo pipefail
@@ -24,6 +26,11 @@ for step in $steps; do
     bench) python3 -m flash_jvp bench --out "$out" 2>&1 | tee "$out/bench-log.txt" || status=1 ;;
     long) python3 benchmarks/long_context.py 2>&1 | tee "$out/long.txt" || status=1 ;;
     tune) python3 benchmarks/tune.py --out "$out/tune.json" 2>&1 | tee "$out/tune.txt" ;;
+    e2e) python3 -m benchmarks.e2e --out "$out" 2>&1 | tee "$out/e2e-log.txt" || status=1 ;;
+    examples) for ex in meanflow scm; do
+                python3 -m examples.$ex --device cuda --out "$out/examples/$ex" 2>&1 \
+                  | tee "$out/examples-$ex.txt" || status=1
+              done ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
