@@ -72,6 +72,37 @@ def test_models_two_ranks():
     spawn(2, "job_models")
 
 
+def test_merge_rows_without_keys():
+    """The ring's merge of blocks whose rows saw no key (lse -inf, o 0): no NaN in the value,
+    the tangent or the gradient; merged rows equal the softmax-weighted sum."""
+    import math
+
+    from flash_jvp.distributed import _merge
+
+    g = torch.Generator().manual_seed(0)
+    o = [torch.randn(2, 3, 5, 4, generator=g, dtype=F64) for _ in range(3)]
+    lse = [torch.randn(2, 3, 5, generator=g, dtype=F64) for _ in range(3)]
+    for i, rows in enumerate((slice(0, 2), slice(0, 1), slice(0, 3))):  # row 0: no block
+        lse[i][..., rows], o[i][..., rows, :] = -math.inf, 0.0
+    tangents = [torch.randn_like(x) for x in (*o, *lse)]
+
+    def merged(*args):
+        return _merge(list(zip(args[:3], args[3:])), F64)
+
+    (o_m, lse_m), (o_t, mu) = torch.func.jvp(merged, (*o, *lse), tuple(tangents))
+    leaves = [x.clone().requires_grad_() for x in (*o, *lse)]
+    grads = torch.autograd.grad(sum(x.sum() for x in merged(*leaves)), leaves)
+    for t in (o_m, o_t, mu, *grads):
+        assert torch.isfinite(t).all()
+    assert (lse_m[..., 0] == -math.inf).all() and (lse_m[..., 1:] > -math.inf).all()
+    assert (o_m[..., 0, :] == 0).all() and (o_t[..., 0, :] == 0).all() and (mu[..., 0] == 0).all()
+    stacked = torch.stack(lse)
+    w = torch.softmax(stacked[..., 1:], dim=0)
+    expected = sum(w[i].unsqueeze(-1) * o[i][..., 1:, :] for i in range(3))
+    torch.testing.assert_close(o_m[..., 1:, :], expected)
+    torch.testing.assert_close(lse_m[..., 1:], torch.logsumexp(stacked[..., 1:], dim=0))
+
+
 def test_example_runs():
     """examples/context_parallel.py (the README's) on 2 CPU processes: its printed differences
     from the single-process step are small."""

@@ -20,6 +20,25 @@ reverse mode and both in one step (jvp, then backward through o, as in sCM/MeanF
 work across ranks. :func:`context_parallel_sdpa` routes an unchanged model's
 ``F.scaled_dot_product_attention`` calls to either.
 
+Which one. Ulysses moves, per rank and call, (P - 1) / P of its q, k, v and tangents and of o
+and o_t, in two all-to-alls that need every pair of ranks connected (NVLink within a node),
+and then runs one full-length flash_jvp call per rank (the kernels' best case; causal work
+is balanced by construction); it needs Hq divisible by P. The ring moves each rank's K, V and
+tangents P - 1 times to its neighbour only, overlapped with the blocks' compute (hidden when
+a block of (L / P)^2 work outlasts moving L / P keys: long sequences), with Hkv heads (GQA
+moves less); it takes any number of heads (P > Hq too) and slower links. Within a node with
+Hq divisible by P, use Ulysses; for more ranks than heads, or across nodes at long L, the
+ring.
+
+Training with FSDP2 or DDP (torch 2.13, tested on CPU/gloo): ``fully_shard`` over the same
+ranks works with ``torch.func.jvp`` (set the gradient divide factor to 1: each rank's loss
+covers its own tokens); ``torch.autograd.forward_ad`` dual tensors fail inside FSDP2's
+pre-forward hook (``RegisterPostBackwardFunction``: "returning a view ... the jvp is not
+returning a view"). DDP works with ``forward_ad``; with ``torch.func.jvp`` its first step
+works and the second fails in DDP's bucket rebuild (pytorch issues #182661, #102197). On torch
+2.11, ``torch.func.jvp`` through FSDP2 fails (#182641). These are torch's, with or without
+flash_jvp.
+
 Every rank of the group must make the same calls in the same order, and every rank must
 backpropagate through its output when one does (the backward's sends pair up across ranks).
 """
