@@ -580,3 +580,70 @@ def _ddp_forward_ad(m: Models, x, x_t, target, ref) -> list[str]:
     grads = [prm.grad * dist.get_world_size() for prm in model.parameters()]  # DDP averages
     return _compare_model(m, "DDP + forward_ad + ring", gather_seq(pred, dim=1),
                           gather_seq(dpred, dim=1), grads, ref)  # fmt: skip
+
+
+def job_wrappers() -> list[str]:
+    """What works where (printed by rank 0, nothing asserted): two sCM steps of the ring
+    through context_parallel_sdpa, for FSDP2 and DDP each under torch.func.jvp and under
+    forward_ad dual tensors, compared with the single-process model."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from flash_jvp import distributed as D
+
+    m = Models()
+    x, x_t, target = m.inputs()
+    ref = _reference(m, x, x_t, target)
+    local = [D.shard_sequence(t, 1) for t in (x, x_t, target)]
+
+    def fsdp2():
+        model = m.model()
+        for module in (*model, model):
+            fully_shard(module, mesh=_mesh(m))
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+        return model, lambda g: g.full_tensor()
+
+    def ddp():
+        return DDP(m.model()), lambda g: g * dist.get_world_size()  # DDP averages
+
+    def func_jvp(model):
+        return scm_step(model, *local)
+
+    def forward_ad(model):
+        with fwAD.dual_level():
+            pred, dpred = fwAD.unpack_dual(model(fwAD.make_dual(local[0], local[1])))
+            loss = ((pred - local[2]) ** 2).sum() + (pred * dpred.detach()).sum()
+        loss.backward()
+        return pred.detach(), dpred.detach()
+
+    lines = []
+    for wrap_name, wrap in (("FSDP2 fully_shard", fsdp2), ("DDP", ddp)):
+        for ad_name, step in (("torch.func.jvp", func_jvp), ("forward_ad", forward_ad)):
+            model, full_grad = wrap()
+            outcome = []
+            for i in range(2):
+                model.zero_grad()
+                try:
+                    with D.context_parallel_sdpa(method="ring"):
+                        pred, dpred = step(model)
+                except Exception as e:  # noqa: BLE001 - the finding
+                    outcome.append(f"step {i + 1} fails: {type(e).__name__}: {str(e)[:150]}")
+                    break
+                grads = [full_grad(prm.grad) for prm in model.parameters()]
+                bad = _compare_model(m, "", gather_seq(pred, dim=1), gather_seq(dpred, dim=1),
+                                     grads, ref)  # fmt: skip
+                outcome.append(f"step {i + 1} {'matches' if not bad else 'DIFFERS: ' + bad[0]}")
+            lines.append(f"{wrap_name} + {ad_name}: " + "; ".join(outcome))
+    if dist.get_rank() == 0:
+        print(f"torch {torch.__version__}, gloo, 2 ranks, CPU, float64, flash_jvp's fallback:")
+        print("\n".join(lines), flush=True)
+    return []
+
+
+if __name__ == "__main__":
+    import sys
+
+    spawn(2, f"job_{sys.argv[1]}")

@@ -36,8 +36,9 @@ covers its own tokens); ``torch.autograd.forward_ad`` dual tensors fail inside F
 pre-forward hook (``RegisterPostBackwardFunction``: "returning a view ... the jvp is not
 returning a view"). DDP works with ``forward_ad``; with ``torch.func.jvp`` its first step
 works and the second fails in DDP's bucket rebuild (pytorch issues #182661, #102197). On torch
-2.11, ``torch.func.jvp`` through FSDP2 fails (#182641). These are torch's, with or without
-flash_jvp.
+2.11, ``torch.func.jvp`` through FSDP2 fails (#182641). The failures are raised in torch's
+hooks before any attention runs (``benchmarks/results/2026-12-02-cpu-jvp-through-fsdp2-ddp.txt``,
+from ``cd tests && python distributed_workers.py wrappers``).
 
 Every rank of the group must make the same calls in the same order, and every rank must
 backpropagate through its output when one does (the backward's sends pair up across ranks).
