@@ -1,6 +1,6 @@
 """Host time per call of flash_jvp's entry points, side by side with flash SDPA and the floor of
-torch.func.jvp, for one or more source trees of flash_jvp (before/after a change) in one run;
-and eager fwd+JVP GPU time at L = 1024 against jvp-flash-attention (if installed).
+torch.func.jvp, for one or more source trees of flash_jvp (before/after a change) in one run.
+(GPU time at L = 1024 against jvp-flash-attention is in ``python -m flash_jvp bench``.)
 
 Host time: each call on a problem too small to keep the GPU busy (B=H=1, L=128, E=64, bf16),
 so a loop of calls runs at the speed the host enqueues work (Python, torch's autograd and
@@ -26,12 +26,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-GPU_SHAPES = [  # (B, H, E) at L = 1024, as issue #16 states the comparison
-    (4, 16, 64),
-    (4, 8, 128),
-    (1, 32, 64),
-]
 
 
 def _host_rows(calls: int, repeats: int) -> dict[str, float]:
@@ -102,75 +96,14 @@ def _forward_ad_floor(q, k, tangents):
         return fwAD.unpack_dual(fwAD.make_dual(q, tangents[0]) * k).tangent
 
 
-def _gpu_rows() -> list[dict]:
-    """Eager fwd+JVP at L = 1024 (torch.func.jvp, host time included), flash_jvp against
-    jvp-flash-attention's JVPAttn.fwd_dual and flash SDPA's forward, causal and not."""
-    try:
-        from jvp_flash_attention.jvp_attention import JVPAttn
-    except ImportError as err:
-        JVPAttn, missing = None, f"not installed: {err}"
-    rows = []
-    for B, H, E in GPU_SHAPES:
-        for causal in (False, True):
-            row = {"B": B, "H": H, "L": 1024, "E": E, "causal": causal}
-            row.update(_l1024_times(B, H, E, causal, JVPAttn))
-            if JVPAttn is None:
-                row["jvp-flash-attention 0.14 error"] = missing
-            rows.append(row)
-    return rows
-
-
-def _l1024_times(B: int, H: int, E: int, causal: bool, JVPAttn) -> dict:
-    import torch
-    from triton.testing import do_bench
-
-    import flash_jvp
-
-    x = [torch.randn(B, H, 1024, E, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
-    q, k, v, tangents = x[0], x[1], x[2], tuple(x[3:])
-    flops = 12 * B * H * 1024 * 1024 * E * (0.5 if causal else 1.0)
-    fns = {
-        "flash_jvp": lambda: torch.func.jvp(
-            lambda q, k, v: flash_jvp.attention(q, k, v, is_causal=causal), (q, k, v), tangents
-        ),
-        "flash SDPA fwd": lambda: _flash(q, k, v, causal),
-    }
-    if JVPAttn is not None:
-        fns["jvp-flash-attention 0.14"] = lambda: torch.func.jvp(
-            lambda q, k, v: JVPAttn.fwd_dual(q, k, v, causal=causal), (q, k, v), tangents
-        )
-    out = {}
-    for name, fn in fns.items():
-        try:
-            ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-        except Exception as err:  # noqa: BLE001 - a row records why it has no time
-            out[f"{name} error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            ms = math.nan
-        out[f"{name} ms"] = ms
-        if name != "flash SDPA fwd":
-            out[f"{name} TFLOP/s"] = flops / (ms * 1e-3) / 1e12
-    return out
-
-
-def _flash(q, k, v, causal):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
 def _child(args) -> None:
-    out = {"host_us": _host_rows(args.calls, args.repeats)}
-    if args.gpu_rows:
-        out["gpu_rows"] = _gpu_rows()
-    print("RESULT " + json.dumps(out))
+    print("RESULT " + json.dumps({"host_us": _host_rows(args.calls, args.repeats)}))
 
 
-def _run_tree(name: str, path: str, args, gpu_rows: bool) -> dict:
+def _run_tree(path: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(path), "src"))
     cmd = [sys.executable, __file__, "--child", "--calls", str(args.calls), "--repeats",
-           str(args.repeats)] + (["--gpu-rows"] if gpu_rows else [])  # fmt: skip
+           str(args.repeats)]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -220,7 +153,6 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--gpu-rows", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         _child(args)
@@ -231,8 +163,7 @@ def main(argv=None) -> int:
         print("host_time.py needs a CUDA GPU")
         return 2
     trees = [t.split("=", 1) for t in args.tree] or [["this tree", "."]]
-    # the L = 1024 GPU rows only for the first tree (the current code)
-    results = {name: _run_tree(name, path, args, i == 0) for i, (name, path) in enumerate(trees)}
+    results = {name: _run_tree(path, args) for name, path in trees}
     sys.path.insert(0, os.path.join(os.path.abspath(trees[0][1]), "src"))
     from flash_jvp._env import environment
 

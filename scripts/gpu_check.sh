@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU tier, one device call: the whole test suite on CUDA, `python -m flash_jvp check`, and
 # optionally the benchmark and config tuning. Logs go to $OUT (the device tool's output folder)
-# or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [check] [bench] [long] [tune] [tangent]
+# or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [check] [bench] [long] [tune] [e2e]
+# [examples] [tangent] (e2e: benchmarks/e2e.py, ~5 min; examples: MeanFlow and sCM on the digits
+# with --device cuda, ~2-3 min each, needing scikit-learn and matplotlib; tangent:
+# benchmarks/tangent_bwd.py, the backward through the JVP tangent)
 # TESTS: test paths for the tests step (default: tests). Compiled kernels are cached under
 # gpu-results/ (ignored by git), so consecutive calls on a still-warm device reuse them.
 set -uo pipefail
@@ -26,6 +29,11 @@ for step in $steps; do
     tune) python3 benchmarks/tune.py --out "$out/tune.json" 2>&1 | tee "$out/tune.txt" ;;
     tangent) python3 benchmarks/tangent_bwd.py --out "$out" 2>&1 | tee "$out/tangent-bwd.txt" \
                || status=1 ;;
+    e2e) python3 -m benchmarks.e2e --out "$out" 2>&1 | tee "$out/e2e-log.txt" || status=1 ;;
+    examples) for ex in meanflow scm; do
+                python3 -m examples.$ex --device cuda --out "$out/examples/$ex" 2>&1 \
+                  | tee "$out/examples-$ex.txt" || status=1
+              done ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -26,3 +26,12 @@ __all__ = [
     "varlen_attention",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    """``flash_jvp.distributed`` on first use (it imports torch.distributed)."""
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.distributed")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -164,6 +165,19 @@ def run_check(device: str, seed: int, console: Console) -> list[dict]:
     return rows
 
 
+def _run_e2e(out: str, quick: bool, console: Console) -> int:
+    """benchmarks/e2e.py, which lives beside src/ in a source checkout (it imports the
+    examples' DiT), not in the installed package."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "e2e.py").is_file():
+        console.print(f"[red]bench --e2e needs a source checkout: no benchmarks/e2e.py in {root}")
+        return 2
+    sys.path.insert(0, str(root))
+    from benchmarks import e2e
+
+    return e2e.main(["--out", out] + (["--quick"] if quick else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flash_jvp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,9 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time against math-SDPA JVP and flash SDPA (CUDA)")
     bench.add_argument("--out", default="benchmarks/results", help="folder for JSON + markdown")
     bench.add_argument("--quick", action="store_true", help="a few points only")
+    bench.add_argument(
+        "--e2e", action="store_true", help="whole-model training steps (benchmarks/e2e.py)"
+    )
     args = parser.parse_args(argv)
 
     console = Console(width=None if sys.stdout.isatty() else 160)
+    if args.command == "bench" and args.e2e:
+        return _run_e2e(args.out, args.quick, console)
     if args.command == "bench":
         from .bench import run_bench
 

@@ -1,0 +1,1 @@
+"""Benchmarks run from a source checkout (``python -m benchmarks.e2e``)."""
