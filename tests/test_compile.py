@@ -60,6 +60,12 @@ def _exact(path: str, backend: str) -> bool:
     return path == "kernels" and backend != "inductor"
 
 
+def _model_exact(path: str, backend: str) -> bool:
+    """Whole blocks: on CUDA a traced graph may reach cuBLAS through another op sequence
+    (e.g. mm + add for addmm), which can pick another GEMM algorithm: within rounding there."""
+    return _exact(path, backend) and not CUDA
+
+
 # ----------------------------------------------------------------------- the cases
 def _key_padding(B: int, Lk: int) -> torch.Tensor:
     """(B, 1, 1, Lk) boolean: the last batch entry keeps 11 keys, the others all."""
@@ -237,8 +243,8 @@ def test_compiled_jvp_through_block(backend, trainable, path):
         return torch.func.jvp(model, (x,), (x_t,))
 
     (y, y_t), (y_e, y_t_e) = torch.compile(fn, backend=backend, fullgraph=True)(x, x_t), fn(x, x_t)
-    assert_same("y", y, y_e, _exact(path, backend))
-    assert_same("y_t", y_t, y_t_e, _exact(path, backend))
+    assert_same("y", y, y_e, _model_exact(path, backend))
+    assert_same("y_t", y_t, y_t_e, _model_exact(path, backend))
     ref = torch.func.jvp(_math_block(model), (x.double(),), (x_t.double(),))[1]
     assert_close_rel("y_t vs float64", y_t, ref, 1e-4)
 
@@ -279,9 +285,9 @@ def test_compiled_tvm_step_matches_eager(backend, path):
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     (loss_e, grads_e), (loss_c, grads_c) = results
-    assert_same("loss", loss_c, loss_e, _exact(path, backend))
+    assert_same("loss", loss_c, loss_e, _model_exact(path, backend))
     for (name, _), a, b in zip(model.named_parameters(), grads_c, grads_e):
-        assert_same(f"grad {name}", a, b, _exact(path, backend))
+        assert_same(f"grad {name}", a, b, _model_exact(path, backend))
     twin = _math_block(model)
     _tvm_loss(twin, x.double(), x_t.double()).backward()
     for (name, p), g in zip(twin.named_parameters(), grads_c):
@@ -300,9 +306,9 @@ def test_compiled_scm_step_matches_eager(backend, path):
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     (loss_e, grads_e), (loss_c, grads_c) = results
-    assert_same("loss", loss_c, loss_e, _exact(path, backend))
+    assert_same("loss", loss_c, loss_e, _model_exact(path, backend))
     for (name, _), a, b in zip(model.named_parameters(), grads_c, grads_e):
-        assert_same(f"grad {name}", a, b, _exact(path, backend))
+        assert_same(f"grad {name}", a, b, _model_exact(path, backend))
     twin = _math_block(model)
     _scm_loss(twin, x.double(), x_t.double()).backward()
     for (name, p), g in zip(twin.named_parameters(), grads_c):
@@ -649,6 +655,6 @@ def test_export_inference(path):
     like the module."""
     model, x, _ = _block_inputs(trainable=False)
     exported = torch.export.export(model, (x,))
-    assert_same("y", exported.module()(x), model(x), path == "kernels")
+    assert_same("y", exported.module()(x), model(x), _model_exact(path, "aot_eager"))
     if path == "kernels":
         assert "flash_jvp" in str(exported.graph)
