@@ -469,9 +469,11 @@ def _op_cases():
 
 
 # the names of _op_cases (built in the test: the cases run the kernels, not for collection)
-OP_CASES = ("fwd", "fwd_tangents", "fwd_bool_mask", "fwd_additive", "fwd_gqa_ev", "fwd_varlen",
-            "bwd", "bwd_mask_grad", "bwd_dlse", "bwd_tangent", "bwd_tangent_masks",
-            "bwd_tangent_second_order", "bwd_tangent_varlen", "attention", "attention_mask")  # fmt: skip
+OP_CASES = (
+    *("fwd", "fwd_tangents", "fwd_bool_mask", "fwd_additive", "fwd_gqa_ev", "fwd_varlen"),
+    *("bwd", "bwd_mask_grad", "bwd_dlse", "bwd_tangent", "bwd_tangent_masks"),
+    *("bwd_tangent_second_order", "bwd_tangent_varlen", "attention", "attention_mask"),
+)
 
 
 @pytest.mark.skipif(not KERNELS, reason="the ops run the Triton kernels")
