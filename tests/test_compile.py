@@ -273,13 +273,15 @@ def _tvm_loss(model, x, x_t):
     return (pred - x).square().mean() + (dpred - x_t).square().mean()
 
 
+@pytest.mark.parametrize("loss_fn", [_scm_loss, _tvm_loss], ids=["sCM", "TVM"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_tvm_step_matches_eager(backend, path):
-    """A loss on the undetached tangent, compiled with fullgraph, backward eager: loss and
-    every parameter gradient equal the eager step's and match float64 math SDPA."""
+def test_compiled_training_step_matches_eager(loss_fn, backend, path):
+    """The loss (jvp + loss: sCM's on pred and dpred.detach(), or TVM's on the undetached
+    tangent) compiled with fullgraph, backward eager: loss and every parameter gradient equal
+    the eager step's, and match float64 math SDPA."""
     model, x, x_t = _block_inputs()
     results = []
-    for fn in (_tvm_loss, torch.compile(_tvm_loss, backend=backend, fullgraph=True)):
+    for fn in (loss_fn, torch.compile(loss_fn, backend=backend, fullgraph=True)):
         model.zero_grad()
         loss = fn(model, x, x_t)
         loss.backward()
@@ -289,28 +291,7 @@ def test_compiled_tvm_step_matches_eager(backend, path):
     for (name, _), a, b in zip(model.named_parameters(), grads_c, grads_e):
         assert_same(f"grad {name}", a, b, _model_exact(path, backend))
     twin = _math_block(model)
-    _tvm_loss(twin, x.double(), x_t.double()).backward()
-    for (name, p), g in zip(twin.named_parameters(), grads_c):
-        assert_close_rel(f"grad {name} vs float64", g, p.grad, 1e-4)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_scm_step_matches_eager(backend, path):
-    """The loss (jvp + loss) compiled with fullgraph, backward eager: loss and every
-    parameter gradient equal the eager step's, and match float64 math SDPA."""
-    model, x, x_t = _block_inputs()
-    results = []
-    for fn in (_scm_loss, torch.compile(_scm_loss, backend=backend, fullgraph=True)):
-        model.zero_grad()
-        loss = fn(model, x, x_t)
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    (loss_e, grads_e), (loss_c, grads_c) = results
-    assert_same("loss", loss_c, loss_e, _model_exact(path, backend))
-    for (name, _), a, b in zip(model.named_parameters(), grads_c, grads_e):
-        assert_same(f"grad {name}", a, b, _model_exact(path, backend))
-    twin = _math_block(model)
-    _scm_loss(twin, x.double(), x_t.double()).backward()
+    loss_fn(twin, x.double(), x_t.double()).backward()
     for (name, p), g in zip(twin.named_parameters(), grads_c):
         assert_close_rel(f"grad {name} vs float64", g, p.grad, 1e-4)
 
