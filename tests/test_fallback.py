@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,3 +93,30 @@ def test_fallback_computes_in_float32_under_autocast(fallback, autocast_dtype):
         return ((x.double() - exact).norm() / exact.norm()).item()
 
     assert err(ours) <= 1.5 * err(theirs) + 1e-6, (err(ours), err(theirs))
+
+
+@pytest.mark.parametrize("fill", ["-inf", "finfo.min"])
+def test_gradient_through_tangent_with_a_hidden_row(fallback, fill):
+    """Reverse mode through o_t with an additive mask that hides a whole query row: finite
+    gradients equal to those of the problem without that row (its o_t is 0, a constant).
+    The fallback used to add the -inf entries to the scores, so gradients and tangents flowed
+    into them: NaN (found by an adversarial run; the compiled composite path shares it)."""
+    q, k, v, tangents, _ = qkv(1, 2, 2, 5, 6, 8, dtype=torch.float64, device="cpu")
+    mask = torch.randn(1, 2, 5, 6, dtype=torch.float64)
+    mask[:, :, 1] = -math.inf if fill == "-inf" else torch.finfo(torch.float64).min
+    rows = [0, 2, 3, 4]
+
+    def grads(q, k, mask, t_q):
+        q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
+        _, o_t = torch.func.jvp(
+            lambda q, k, v: flash_jvp.attention(q, k, v, attn_mask=mask),
+            (q, k, v), (t_q, *tangents[1:]),
+        )  # fmt: skip
+        return torch.autograd.grad(o_t.square().sum(), (q, k))
+
+    dq, dk = grads(q, k, mask, tangents[0])
+    dq_vis, dk_vis = grads(q[:, :, rows], k, mask[:, :, rows], tangents[0][:, :, rows])
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    assert (dq[:, :, 1] == 0).all()
+    torch.testing.assert_close(dq[:, :, rows], dq_vis, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dk, dk_vis, rtol=1e-10, atol=1e-12)

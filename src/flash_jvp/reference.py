@@ -63,7 +63,10 @@ def _scores(q: Tensor, k: Tensor, scale: float, offset: int | None, mask, mask_m
         if mask.dtype == torch.bool:
             s = s.masked_fill(~mask, -math.inf)
         else:
-            s = s + mask.to(s.dtype).masked_fill(mask <= mask_min, -math.inf)
+            # hidden entries filled after the sum: adding -inf would pass gradients (and
+            # tangents) into them, NaN once a whole row is hidden (found by an adversarial run)
+            hidden = mask <= mask_min
+            s = (s + mask.to(s.dtype).masked_fill(hidden, 0.0)).masked_fill(hidden, -math.inf)
     return s
 
 
