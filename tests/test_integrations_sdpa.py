@@ -269,3 +269,25 @@ def test_restore_semantics(monkeypatch):
 def test_bad_argument():
     with pytest.raises(TypeError, match="only_forward_ad"):
         flash_jvp.patch_sdpa(only_forward_ad="yes")
+
+
+@pytest.mark.parametrize("only_forward_ad", [False, True])
+def test_patch_compiles_without_graph_breaks(only_forward_ad):
+    """A patched SDPA call inside torch.compile (fullgraph): no graph break, and the jvp's
+    values equal math SDPA's. With only_forward_ad the router cannot ask which transforms are
+    active while Dynamo traces (it used to fail there: functorch's interpreter stack is not
+    traceable), so it routes every call flash_jvp serves."""
+    q, k, v = _qkv()
+    tangents = _qkv(seed=1)
+
+    def fn(q, k, v, q_t, k_t, v_t):
+        return torch.func.jvp(F.scaled_dot_product_attention, (q, k, v), (q_t, k_t, v_t))
+
+    torch._dynamo.reset()
+    with flash_jvp.patch_sdpa(only_forward_ad=only_forward_ad):
+        assert torch._dynamo.explain(fn)(q, k, v, *tangents).graph_break_count == 0
+        torch._dynamo.reset()
+        o, o_t = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, *tangents)
+    o_ref, o_t_ref = _math(fn, q, k, v, *tangents)
+    assert _rel(o, o_ref) <= TOL and _rel(o_t, o_t_ref) <= TOL
+    torch._dynamo.reset()

@@ -95,7 +95,10 @@ class SDPAPatch:
                 return previous(*args, **kwargs)
             if extra or options["dropout_p"]:  # the common refusal, before supports()
                 return previous(*args, **kwargs)
-            if patch.only_forward_ad and not _under_forward_ad(q, k, v, options["attn_mask"]):
+            # While torch.compile traces, which transforms are active cannot be asked (Dynamo
+            # cannot trace functorch's interpreter stack): every call flash_jvp serves is routed.
+            if (patch.only_forward_ad and not torch.compiler.is_compiling()
+                    and not _under_forward_ad(q, k, v, options["attn_mask"])):  # fmt: skip
                 return previous(*args, **kwargs)
             if api.supports(q, k, v, **options):
                 return previous(*args, **kwargs)
@@ -172,7 +175,8 @@ def patch_sdpa(only_forward_ad: bool = False) -> SDPAPatch:
             ``torch.autograd.forward_ad`` tangent on query, key, value or attn_mask. Other
             calls (inference, a plain training step, ``torch.func.grad``/``vmap`` alone) keep
             torch's SDPA, whose cuDNN and flash backends run the primal forward faster than
-            flash_jvp.
+            flash_jvp. Inside a function torch.compile traces, every call flash_jvp serves is
+            routed (Dynamo cannot trace the check).
 
     Returns:
         The :class:`SDPAPatch` in force.
