@@ -136,6 +136,29 @@ def test_compiled_varlen_matches_eager(backend, path):
         assert_same(name, a, b, _exact(path, backend))
 
 
+def test_compiled_varlen_takes_new_batches_without_recompiling(path):
+    """compile(dynamic=True) of varlen_attention: packed batches of other lengths and another
+    max_seqlen reuse one Dynamo graph (a guard on max_seqlen used to recompile every batch:
+    the op's schema took it as int; found by the adversarial run), each equal to eager."""
+    graphs = []
+
+    def counting(gm, example_inputs):  # a backend that runs the graph as captured
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(q, cu, max_seqlen):
+        return flash_jvp.varlen_attention(q, q, q, cu, cu, max_seqlen, max_seqlen, True)
+
+    compiled = torch.compile(fn, backend=counting, dynamic=True)
+    for lengths in ([3, 4], [5, 2], [2, 2, 9], [1, 8]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE,
+                          dtype=torch.int32)  # fmt: skip
+        q = randn(int(cu[-1]), 2, 16)
+        assert_same(f"o {lengths}", compiled(q, cu, max(lengths)), fn(q, cu, max(lengths)),
+                    path == "kernels")  # fmt: skip
+    assert len(graphs) == 1, len(graphs)
+
+
 # --------------------------------------------------------- b) training forward + backward
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa", "additive"])
 @pytest.mark.parametrize("backend", BACKENDS)

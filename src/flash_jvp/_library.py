@@ -137,8 +137,9 @@ def _attn_bwd_fake(do, q, k, v, o, lse, mask, scale, causal_offset, cu_seqlens_q
 
 
 _LIB.define(
-    "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int? causal_offset, "
-    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k) "
+    # SymInt: symbolic lengths (dynamic shapes, max_seqlen) pass without a guard per value
+    "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, SymInt? causal_offset, "
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) "
     "-> (Tensor, Tensor)"
 )
 
