@@ -447,18 +447,28 @@ def _same_length(query: Tensor, key: Tensor, value: Tensor) -> bool:
 
 
 def _prepare(name, query, key, value, group, seq_layout, return_lse, check_shards, kwargs):
-    """The process group and SDPA options of a call, after every check: first that all ranks
-    agree (so that a bad call raises on every rank instead of leaving the others waiting in a
-    collective), then the local rules."""
-    refuse_vmap()
-    opts = _sdpa_options(name, kwargs)
-    group = _process_group(name, group)
-    _check_layout(name, seq_layout)
-    for flag_name, flag in (("return_lse", return_lse), ("check_shards", check_shards)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected {flag_name} to be a bool, but got {flag!r}.")
-    if check_shards:
-        _check_shards(name, group, query, key, value, opts, seq_layout, return_lse)
+    """The process group and SDPA options of a call, after every check. The arguments' own
+    rules are checked first, but a refusal is raised only after the ranks have compared their
+    calls (``check_shards``), so that a call one rank refuses raises on every rank (the others
+    name that rank's refusal) instead of leaving them waiting in a collective."""
+    refuse_vmap()  # the same on every rank (vmap wraps the program), and first: under vmap
+    group = _process_group(name, group)  # the comparison below cannot read tangents
+    try:
+        opts = _sdpa_options(name, kwargs)
+        _check_layout(name, seq_layout)
+        for flag_name, flag in (("return_lse", return_lse), ("check_shards", check_shards)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected {flag_name} to be a bool, but got {flag!r}.")
+        refused = None
+    except (TypeError, ValueError, NotImplementedError) as err:
+        refused, opts = err, dict.fromkeys(_SDPA_OPTIONS_COMPARED)
+    if check_shards is not False:  # a non-bool check_shards is refused, after the comparison
+        try:
+            _check_shards(name, group, query, key, value, opts, seq_layout, return_lse, refused)
+        except ValueError as disagreement:
+            raise (refused or disagreement) from None
+    if refused is not None:
+        raise refused
     kernels = isinstance(query, Tensor) and uses_kernels(query.device)
     found = _validate.problems(query, key, value, None, 0.0, opts["is_causal"], opts["scale"],
                                opts["enable_gqa"], kernels)  # fmt: skip
@@ -538,9 +548,13 @@ def _process_group(name: str, group) -> dist.ProcessGroup:
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
-def _signature(name, query, key, value, opts, seq_layout, return_lse) -> dict[str, tuple]:
+_SDPA_OPTIONS_COMPARED = ("is_causal", "scale", "enable_gqa")
+
+
+def _signature(name, query, key, value, opts, seq_layout, return_lse, refused) -> dict:
     """What every rank must agree on, as numbers: shapes, dtypes, devices' types, which
-    inputs carry forward-mode tangents, and the arguments."""
+    inputs carry forward-mode tangents, the arguments, and whether the rank refused its
+    arguments (``refused``: the exception, or None)."""
 
     def shape(x):
         return tuple(x.shape) if isinstance(x, Tensor) else ("not a tensor",)
@@ -550,6 +564,7 @@ def _signature(name, query, key, value, opts, seq_layout, return_lse) -> dict[st
 
     scale = opts["scale"]
     sig = {"function": name, "seq_layout": seq_layout, "return_lse": return_lse}
+    sig["refusal"] = None if refused is None else f"{type(refused).__name__}: {refused}"
     for arg, x in (("query", query), ("key", key), ("value", value)):
         sig[f"{arg}.shape"] = shape(x)
         sig[f"{arg}.dtype"] = dtype(x)
@@ -562,10 +577,10 @@ def _signature(name, query, key, value, opts, seq_layout, return_lse) -> dict[st
     return sig
 
 
-def _check_shards(name, group, query, key, value, opts, seq_layout, return_lse) -> None:
+def _check_shards(name, group, query, key, value, opts, seq_layout, return_lse, refused) -> None:
     """Raise ValueError on every rank if the ranks' calls disagree (one all-gather of a
     small byte tensor on query's device)."""
-    sig = _signature(name, query, key, value, opts, seq_layout, return_lse)
+    sig = _signature(name, query, key, value, opts, seq_layout, return_lse, refused)
     data = json.dumps(sig, default=repr).encode()
     device = query.device if isinstance(query, Tensor) else torch.device("cpu")
     p = dist.get_world_size(group)
