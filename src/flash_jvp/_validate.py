@@ -122,8 +122,10 @@ def _layout_problems(q, k, v, enable_gqa: bool) -> list[Problem]:
     return out
 
 
-def _kernel_problems(q, k, v) -> list[Problem]:
-    """What the Triton kernels (not the CPU fallback) cannot do."""
+def _kernel_problems(q, k, v, names=("query", "key", "value")) -> list[Problem]:
+    """What the Triton kernels (not the CPU fallback) cannot do. ``names``: what the caller
+    calls q, k, v (varlen_attention: q, k, v of shape (total, H, E), whose batch * heads the
+    launcher checks)."""
     out: list[Problem] = []
     if not HAS_TRITON:
         out.append((ImportError, f"flash_jvp needs the triton package for {q.device} tensors."))
@@ -133,21 +135,24 @@ def _kernel_problems(q, k, v) -> list[Problem]:
         out.append(
             (
                 NotImplementedError,
-                f"flash_jvp: {_desc('query', q)} is not supported by {where}; supported dtypes "
+                f"flash_jvp: {_desc(names[0], q)} is not supported by {where}; supported dtypes "
                 f"are {', '.join(str(d) for d in dtypes)}.",
             )
         )
-    for name, e in (("query/key head_dim", q.shape[-1]), ("value head_dim", v.shape[-1])):
+    head_dims = ((f"{names[0]}/{names[1]} head_dim", q.shape[-1]),
+                 (f"{names[2]} head_dim", v.shape[-1]))  # fmt: skip
+    for name, e in head_dims:
         if not 1 <= e <= MAX_HEAD_DIM:
             out.append(
                 (
                     NotImplementedError,
                     f"flash_jvp: {name} {e} is not supported; supported head dims are 1 to "
-                    f"{MAX_HEAD_DIM} (query {tuple(q.shape)}, value {tuple(v.shape)}).",
+                    f"{MAX_HEAD_DIM} ({names[0]} {tuple(q.shape)}, {names[2]} "
+                    f"{tuple(v.shape)}).",
                 )
             )
     batch_heads = math.prod(q.shape[:-2])
-    if batch_heads > MAX_GRID_Y:
+    if names[0] == "query" and batch_heads > MAX_GRID_Y:
         out.append(
             (
                 NotImplementedError,
@@ -377,8 +382,41 @@ def _cu_seqlens_value_problems(name: str, values: list[int], total: int, max_nam
     return []
 
 
+def _packed_layout_problems(q, k, v) -> list[Problem]:
+    """dtypes, devices, heads and head dims of packed (total, H, E) q, k, v."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    rules = (
+        (not q.dtype.is_floating_point, TypeError,
+         f"Expected a floating-point q, but got {_desc('q', q)}."),
+        (not q.dtype == k.dtype == v.dtype, ValueError,
+         "Expected q, k, and v to have the same dtype, but got "
+         f"q.dtype: {q.dtype}, k.dtype: {k.dtype}, v.dtype: {v.dtype}."),
+        (not q.device == k.device == v.device, ValueError,
+         "Expected q, k, and v to be on the same device, but got "
+         f"q.device: {q.device}, k.device: {k.device}, v.device: {v.device}."),
+        (k.shape[:2] != v.shape[:2], ValueError,
+         f"Expected k and v to have the same number of tokens and heads, but got {shapes}."),
+        (q.shape[-1] == 0 or q.shape[-1] != k.shape[-1], ValueError,
+         f"Expected q and k to have the same head_dim >= 1 (last dimension), but got {shapes}."),
+        (k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0, ValueError,
+         "Expected q's number of heads to be a multiple of k's and v's (grouped-query "
+         f"attention), but got {shapes}."),
+    )  # fmt: skip
+    return [(exc, message) for bad, exc, message in rules if bad]
+
+
 def varlen_problems(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, kernels
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    is_causal,
+    scale,
+    kernels,
+    return_lse=False,
 ) -> list[Problem]:
     """Every reason a :func:`flash_jvp.varlen_attention` call cannot run."""
     out = _argument_problems(0.0, is_causal, scale, False)
@@ -400,11 +438,11 @@ def varlen_problems(
                     f"{got}.",
                 )
             ]
-    # The dense checks on (1, H, total, E) views: dtypes, devices, heads, head dims.
-    views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    out += [p for p in _layout_problems(*views, True) if "length >= 1" not in p[1]]
-    if kernels:
-        out += _kernel_problems(*views)
+    out += _packed_layout_problems(q, k, v)
+    if not isinstance(return_lse, bool):
+        out.append((TypeError, f"Expected return_lse to be a bool, but got {return_lse!r}."))
+    if kernels and not out:
+        out += _kernel_problems(q, k, v, names=("q", "k", "v"))
     if out:
         return out
     found = _cu_seqlens_type_problems("cu_seqlens_q", cu_seqlens_q, q.device)

@@ -95,7 +95,8 @@ def scaled_dot_product_attention(
           (except ``vmap``/``jacrev`` of the gradient with respect to an additive mask).
           ``torch.func.jvp`` of ``torch.func.grad`` is exact but materialises the score
           matrix (functorch hands the kernels wrapped tensors there).
-        * ``torch.compile``: not tested yet; compile the surrounding code with a graph break.
+        * ``torch.compile``: fullgraph, no graph break, in every mode (the kernels are
+          ``torch.library`` ops; README's support table says which combinations compile).
 
     Devices:
         CUDA tensors run the Triton kernels. CPU tensors run the same kernels under
@@ -254,8 +255,9 @@ def varlen_attention(
     q, k, v = _autocast(q, k, v)
     kernels = _kernels(q)
     _validate.check_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, kernels
-    )
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, kernels,
+        return_lse,
+    )  # fmt: skip
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     # the launch grid needs no more than the totals (sym_min: no guard on the lengths, so a
     # compiled call does not recompile for every max_seqlen)
