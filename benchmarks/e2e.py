@@ -506,6 +506,8 @@ def run_row(method: MethodSpec, model, inp, args, row: Row) -> Row:
         row.status, row.note = "OOM", "out of memory"
     except Exception as err:  # recorded; the run goes on
         row.status, row.note = "error", _first_line(err)
+        # printed now: a CUDA error is sticky, and freeing memory below re-raises it
+        print(f"{row.label} {row.method}: {type(err).__name__}: {err}", flush=True)
     finally:
         step = None
         stack.close()
