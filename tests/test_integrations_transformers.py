@@ -33,10 +33,20 @@ def _model(cls, config, dtype):
     return randomize_(model).to(DEVICE, dtype).train()
 
 
-def _inputs(attention_mask, dtype):
+def _case(cls, config, dtype, padded):
+    """(model, fn, primals, tangents) of the model on embeddings with a padding mask whose
+    ``padded`` (batch row, token slice) entries are 0."""
+    model = _model(cls, config, dtype)
+    padding = torch.ones(B, L, dtype=torch.long)
+    padding[padded] = 0
     gen = torch.Generator().manual_seed(1)
     x, x_t = randn(B, L, HIDDEN, gen=gen), randn(B, L, HIDDEN, gen=gen)
-    return on_device((x, x_t, attention_mask), dtype)
+    x, x_t, padding = on_device((x, x_t, padding), dtype)
+
+    def fn(x):
+        return model(inputs_embeds=x, attention_mask=padding).last_hidden_state
+
+    return model, fn, (x,), (x_t,)
 
 
 def build_llama(dtype):
@@ -49,15 +59,8 @@ def build_llama(dtype):
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    model = _model(transformers.LlamaModel, config, dtype)
-    padding = torch.ones(B, L, dtype=torch.long)
-    padding[1, :5] = 0  # left padding: under the causal mask, query rows 0-4 see no key
-    x, x_t, padding = _inputs(padding, dtype)
-
-    def fn(x):
-        return model(inputs_embeds=x, attention_mask=padding).last_hidden_state
-
-    return model, fn, (x,), (x_t,)
+    # left padding: under the causal mask, query rows 0-4 see no key
+    return _case(transformers.LlamaModel, config, dtype, (1, slice(None, 5)))
 
 
 def build_mistral_sliding_window(dtype):
@@ -71,15 +74,7 @@ def build_mistral_sliding_window(dtype):
         max_position_embeddings=64,
         sliding_window=4,
     )
-    model = _model(transformers.MistralModel, config, dtype)
-    padding = torch.ones(B, L, dtype=torch.long)
-    padding[0, :2] = 0
-    x, x_t, padding = _inputs(padding, dtype)
-
-    def fn(x):
-        return model(inputs_embeds=x, attention_mask=padding).last_hidden_state
-
-    return model, fn, (x,), (x_t,)
+    return _case(transformers.MistralModel, config, dtype, (0, slice(None, 2)))
 
 
 def build_bert(dtype):
@@ -93,15 +88,7 @@ def build_bert(dtype):
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    model = _model(transformers.BertModel, config, dtype)
-    padding = torch.ones(B, L, dtype=torch.long)
-    padding[0, 9:] = 0  # right padding
-    x, x_t, padding = _inputs(padding, dtype)
-
-    def fn(x):
-        return model(inputs_embeds=x, attention_mask=padding).last_hidden_state
-
-    return model, fn, (x,), (x_t,)
+    return _case(transformers.BertModel, config, dtype, (0, slice(9, None)))  # right padding
 
 
 def via_implementation(name, run):
