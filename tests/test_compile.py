@@ -29,9 +29,19 @@ KERNELS = _utils.uses_kernels(torch.device(DEVICE))
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    torch._dynamo.reset()
+    """Each test compiles from a clean slate. FakeTensorMode's dispatch cache is global and
+    torch._dynamo.reset() keeps it; after some sequences of these tests (measured: this file
+    without test_opcheck, on CPU) an entry left in it made later compiles of plain-op models
+    under forward AD, checkpoint, make_fx and export fail with an internal assert in
+    _fw_primal (7 failures with the cache kept; with it cleared they pass)."""
+    _fresh_compile_state()
     yield
     torch._dynamo.reset()
+
+
+def _fresh_compile_state():
+    torch._dynamo.reset()
+    torch._subclasses.fake_tensor.FakeTensorMode.cache_clear()
 
 
 @pytest.fixture(params=["kernels", "fallback"])
@@ -390,16 +400,23 @@ def _outcome(fn, *args):
         return None, type(err)
 
 
+def _assert_same_compiled_outcome(errors):
+    """Both compiled calls (plain-op attention, flash_jvp) fail or both work. Not the exception
+    type: torch's own varies with what compiled before in the process (measured in the CPU
+    suite: the plain-op model's compiled forward_ad raised BackendCompilerFailed, an internal
+    assert in _fw_primal, after other compile tests, and NotImplementedError alone)."""
+    assert (errors[0] is None) == (errors[1] is None), errors
+
+
 @pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if CUDA else []))
 def test_layer_norm_under_compiled_jvp_same_as_without_flash_jvp(backend, path):
     """F.layer_norm under a compiled torch.func.jvp fails inside torch on some versions (torch
     2.11: TorchRuntimeError at layer_norm) with no flash_jvp in the model. With flash_jvp the
-    outcome is the same: the same exception type, or, where torch traces it, tangents equal to
-    eager's."""
+    outcome is the same: a failure, or, where torch traces it, tangents equal to eager's."""
     x, x_t = randn(2, 24, 32), randn(2, 24, 32)
     outcomes = []
     for attention in (reference.attention_ref, flash_jvp.attention):
-        torch._dynamo.reset()
+        _fresh_compile_state()
         model = Block(norm=nn.LayerNorm, attention=attention).to(DEVICE)
         fn = torch.compile(lambda x, x_t, m=model: torch.func.jvp(m, (x,), (x_t,)),
                            backend=backend)  # fmt: skip
@@ -407,28 +424,29 @@ def test_layer_norm_under_compiled_jvp_same_as_without_flash_jvp(backend, path):
         if error is None:
             assert_close_rel("y_t", result[1], torch.func.jvp(model, (x,), (x_t,))[1], 1e-5)
         outcomes.append(error)
-    assert outcomes[0] == outcomes[1], outcomes
+    _assert_same_compiled_outcome(outcomes)
 
 
 def test_forward_ad_dual_inside_compile_same_as_without_flash_jvp(path):
     """forward_ad dual tensors into a compiled function: torch's compiled autograd.Function
-    has no jvp (NotImplementedError) for any model; flash_jvp neither adds nor hides a
-    failure (and eagerly the duals work)."""
+    has no jvp (NotImplementedError) for any model, though on CPU the same call has also
+    compiled and given the right tangent (torch 2.13, depending on what compiled before);
+    flash_jvp neither adds nor hides a failure, and where it works the tangent is eager's."""
     x, x_t = randn(2, 24, 32), randn(2, 24, 32)
     outcomes = []
     for attention in (reference.attention_ref, flash_jvp.attention):
-        torch._dynamo.reset()
+        _fresh_compile_state()
         model = Block(attention=attention).to(DEVICE)
         with torch.autograd.forward_ad.dual_level():
             result, error = _outcome(
                 torch.compile(model, backend="aot_eager"),
                 torch.autograd.forward_ad.make_dual(x, x_t),
             )
-            if error is None:
-                tangent = torch.autograd.forward_ad.unpack_dual(result).tangent
-                assert_close_rel("y_t", tangent, torch.func.jvp(model, (x,), (x_t,))[1], 1e-5)
+            tangent = None if error else torch.autograd.forward_ad.unpack_dual(result).tangent
+        if error is None:  # eager's tangent outside the dual level (no nested forward AD)
+            assert_close_rel("y_t", tangent, torch.func.jvp(model, (x,), (x_t,))[1], 1e-5)
         outcomes.append(error)
-    assert outcomes[0] == outcomes[1], outcomes
+    _assert_same_compiled_outcome(outcomes)
 
 
 # ------------------------------------------------------------------------ opcheck
