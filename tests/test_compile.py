@@ -427,26 +427,23 @@ def test_layer_norm_under_compiled_jvp_same_as_without_flash_jvp(backend, path):
     _assert_same_compiled_outcome(outcomes)
 
 
-def test_forward_ad_dual_inside_compile_same_as_without_flash_jvp(path):
-    """forward_ad dual tensors into a compiled function: torch's compiled autograd.Function
-    has no jvp (NotImplementedError) for any model, though on CPU the same call has also
-    compiled and given the right tangent (torch 2.13, depending on what compiled before);
-    flash_jvp neither adds nor hides a failure, and where it works the tangent is eager's."""
+def test_forward_ad_dual_inside_compile_raises_or_is_exact(path):
+    """forward_ad dual tensors into a compiled function: AOTAutograd's compiled
+    autograd.Function has no jvp, so torch raises NotImplementedError ("You must implement the
+    jvp function"), for a plain-op model too in a fresh process. Never a silent tangent: it
+    raises, or the tangent is eager's. (Not compared with the plain-op model: in the CPU suite
+    torch 2.13 compiled that one after other compiles, and raised in a fresh process.)"""
     x, x_t = randn(2, 24, 32), randn(2, 24, 32)
-    outcomes = []
-    for attention in (reference.attention_ref, flash_jvp.attention):
-        _fresh_compile_state()
-        model = Block(attention=attention).to(DEVICE)
-        with torch.autograd.forward_ad.dual_level():
-            result, error = _outcome(
-                torch.compile(model, backend="aot_eager"),
-                torch.autograd.forward_ad.make_dual(x, x_t),
-            )
-            tangent = None if error else torch.autograd.forward_ad.unpack_dual(result).tangent
-        if error is None:  # eager's tangent outside the dual level (no nested forward AD)
-            assert_close_rel("y_t", tangent, torch.func.jvp(model, (x,), (x_t,))[1], 1e-5)
-        outcomes.append(error)
-    _assert_same_compiled_outcome(outcomes)
+    model = Block(attention=flash_jvp.attention).to(DEVICE)
+    with torch.autograd.forward_ad.dual_level():
+        result, error = _outcome(
+            torch.compile(model, backend="aot_eager"), torch.autograd.forward_ad.make_dual(x, x_t)
+        )
+        tangent = None if error else torch.autograd.forward_ad.unpack_dual(result).tangent
+    if error is None:  # eager's tangent outside the dual level (no nested forward AD)
+        assert_close_rel("y_t", tangent, torch.func.jvp(model, (x,), (x_t,))[1], 1e-5)
+    else:
+        assert issubclass(error, NotImplementedError), error
 
 
 # ------------------------------------------------------------------------ opcheck
