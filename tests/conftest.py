@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import CUDA, DEVICE
 
+import flash_jvp
 from flash_jvp import _ops, _utils
 
 # Fresh inputs every session; FLASH_JVP_SEED=<n> replays one.
@@ -58,3 +59,14 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture(params=["kernels", "fallback"])
+def path(request, monkeypatch):
+    """Which implementation serves the calls: the Triton kernels (interpreter on CPU) or the
+    plain-PyTorch fallback (forced by pretending the device has no kernels)."""
+    if request.param == "kernels" and not _utils.uses_kernels(torch.device(DEVICE)):
+        pytest.skip("the kernels run on CUDA or under TRITON_INTERPRET=1")
+    if request.param == "fallback":
+        monkeypatch.setattr(flash_jvp.api, "uses_kernels", lambda device: False)
+    return request.param

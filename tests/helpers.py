@@ -46,3 +46,20 @@ def assert_close_rel(name, x, ref, tol):
     """Relative error of x against ref (in float64) at most tol; NaN never passes."""
     err = _check.rel_err(x, ref.detach().to(torch.float64))
     assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.1e}"
+
+
+def force_candidate(monkeypatch, index: int, kernels=("fwd", "bwd_dkdv", "bwd_dq")) -> None:
+    """Make each named kernel's launch-config candidate list just its `index`-th entry (the
+    last if shorter), with no remembered choice."""
+    from flash_jvp import _ops
+    from flash_jvp.kernels import configs
+
+    for name in kernels:
+        original = getattr(configs, name)
+
+        def only(*args, original=original):
+            cands = original(*args)
+            return [cands[min(index, len(cands) - 1)]]
+
+        monkeypatch.setattr(configs, name, only)
+    monkeypatch.setattr(_ops, "_CHOSEN", {})

@@ -44,17 +44,6 @@ def _fresh_compile_state():
     torch._subclasses.fake_tensor.FakeTensorMode.cache_clear()
 
 
-@pytest.fixture(params=["kernels", "fallback"])
-def path(request, monkeypatch):
-    """Which implementation serves the calls: the Triton kernels (interpreter on CPU) or the
-    plain-PyTorch fallback (forced by pretending the device has no kernels)."""
-    if request.param == "kernels" and not KERNELS:
-        pytest.skip("the kernels run on CUDA or under TRITON_INTERPRET=1")
-    if request.param == "fallback":
-        monkeypatch.setattr(flash_jvp.api, "uses_kernels", lambda device: False)
-    return request.param
-
-
 def assert_same(name, compiled, eager, exact: bool):
     """Bit-identical where ``exact`` (the same kernels on the same inputs), else within fp32
     rounding of the eager result."""

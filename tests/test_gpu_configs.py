@@ -4,26 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DTYPE_IDS, assert_matches_reference, qkv
+from helpers import DTYPE_IDS, assert_matches_reference, force_candidate, qkv
 
 import flash_jvp
-from flash_jvp import _ops
-from flash_jvp.kernels import configs
 
 pytestmark = pytest.mark.gpu
-
-
-def _force_candidate(monkeypatch, index: int) -> None:
-    """Make each kernel's candidate list just its `index`-th entry (the last if shorter)."""
-    for name in ("fwd", "bwd_dkdv", "bwd_dq"):
-        original = getattr(configs, name)
-
-        def only(*args, original=original):
-            cands = original(*args)
-            return [cands[min(index, len(cands) - 1)]]
-
-        monkeypatch.setattr(configs, name, only)
-    monkeypatch.setattr(_ops, "_CHOSEN", {})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
@@ -31,7 +16,7 @@ def _force_candidate(monkeypatch, index: int) -> None:
 @pytest.mark.parametrize("Lk", [333, 600])  # the short-key configs, and the others
 @pytest.mark.parametrize("index", range(3))
 def test_candidate_config(monkeypatch, dtype, E, Lk, index):
-    _force_candidate(monkeypatch, index)
+    force_candidate(monkeypatch, index)
     q, k, v, tangents, do = qkv(2, 3, 3, 300, Lk, E, dtype=dtype)
     for is_causal in (False, True):
         try:

@@ -9,20 +9,10 @@ from helpers import DEVICE, assert_close_rel, randn
 from torch.nn.attention.bias import causal_lower_right
 
 import flash_jvp
-from flash_jvp import _utils, reference
+from flash_jvp import reference
 
-KERNELS = _utils.uses_kernels(torch.device(DEVICE))
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
-
-
-@pytest.fixture(params=["kernels", "fallback"])
-def path(request, monkeypatch):
-    if request.param == "kernels" and not KERNELS:
-        pytest.skip("the kernels run on CUDA or under TRITON_INTERPRET=1")
-    if request.param == "fallback":
-        monkeypatch.setattr(flash_jvp.api, "uses_kernels", lambda device: False)
-    return request.param
 
 
 def _case(case: str, dtype):

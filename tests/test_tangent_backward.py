@@ -17,27 +17,24 @@ import math
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from helpers import CUDA, DEVICE, DTYPE_IDS, DTYPES, assert_close_rel, needs_kernels, randn
+from helpers import (
+    CUDA,
+    DEVICE,
+    DTYPE_IDS,
+    DTYPES,
+    assert_close_rel,
+    force_candidate,
+    needs_kernels,
+    randn,
+)
 from torch.nn.attention.bias import causal_lower_right
 
 import flash_jvp
-from flash_jvp import _check, _ops, _utils, reference
-from flash_jvp.kernels import configs
+from flash_jvp import _check, reference
 
 gpu = pytest.mark.gpu
-KERNELS = _utils.uses_kernels(torch.device(DEVICE))
 GROUPS = (("dq", "dk", "dv"), ("dq_t", "dk_t", "dv_t"), ("dmask", "dmask_t"))
 NAMES = tuple(n for g in GROUPS for n in g)
-
-
-@pytest.fixture(params=["kernels", "fallback"])
-def path(request, monkeypatch):
-    """The Triton kernels (interpreter on CPU) or the plain-PyTorch fallback."""
-    if request.param == "kernels" and not KERNELS:
-        pytest.skip("the kernels run on CUDA or under TRITON_INTERPRET=1")
-    if request.param == "fallback":
-        monkeypatch.setattr(flash_jvp.api, "uses_kernels", lambda device: False)
-    return request.param
 
 
 # ------------------------------------------------------------------------------ oracle
@@ -513,15 +510,7 @@ def test_gpu_head_dims_and_masks(case, E, dtype):
 @pytest.mark.parametrize("index", range(3))
 def test_gpu_tangent_candidate_configs(monkeypatch, dtype, E, index):
     """Every launch config the launchers can pick for the tangent backward is correct."""
-    for name in ("bwd_dkdv", "bwd_dq"):
-        original = getattr(configs, name)
-
-        def only(*args, original=original):
-            cands = original(*args)
-            return [cands[min(index, len(cands) - 1)]]
-
-        monkeypatch.setattr(configs, name, only)
-    monkeypatch.setattr(_ops, "_CHOSEN", {})
+    force_candidate(monkeypatch, index, kernels=("bwd_dkdv", "bwd_dq"))
     q, k, v, tangents, do, do_t = _inputs(B=2, Hq=3, Hkv=3, Lq=300, Lk=333, E=E, Ev=E,
                                           dtype=dtype)  # fmt: skip
     for is_causal in (False, True):

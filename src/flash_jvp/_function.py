@@ -38,7 +38,7 @@ from torch._functorch.utils import unwrap_dead_wrappers
 
 from . import _library, reference
 from ._library import spec_args
-from ._utils import Spec, no_autocast
+from ._utils import Spec, no_autocast, tangent_bwd_outputs
 
 Tensor = torch.Tensor
 
@@ -404,7 +404,7 @@ def _tangent_backward(cots, saved, spec: Spec, flags) -> tuple[Tensor | None, ..
         return _library.attn_bwd_tangent_grads(*cots, *saved, spec, *flags)
     outs = iter(AttnTangentBackward.apply(*cots, *saved, spec, flags))
     q_t, k_t, v_t, mask_t = saved[3], saved[4], saved[5], saved[11]
-    given = _library.tangent_bwd_outputs(q_t, k_t, v_t, mask_t, cots[1], cots[3], *flags)
+    given = tangent_bwd_outputs(q_t, k_t, v_t, mask_t, cots[1], cots[3], *flags)
     return tuple(next(outs) if g else None for g in given)
 
 
@@ -440,8 +440,8 @@ class AttnTangentBackward(_Function):
         # do, do_t, dlse, dmu, q, k, v, q_t, k_t, v_t, mask, mask_t (by position)
         inputs = [i for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 14, 15)
                   if saved[i] is not None and not (i == 14 and bool_mask)]  # fmt: skip
-        given = _library.tangent_bwd_outputs(saved[7], saved[8], saved[9], saved[15],
-                                             saved[1], saved[3], *ctx.flags)  # fmt: skip
+        given = tangent_bwd_outputs(saved[7], saved[8], saved[9], saved[15], saved[1], saved[3],
+                                    *ctx.flags)  # fmt: skip
 
         def grads(*xs):
             x = list(saved)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch.library import Library
 
-from ._utils import Spec
+from ._utils import Spec, tangent_bwd_outputs
 
 Tensor = torch.Tensor
 
@@ -229,17 +229,6 @@ def attn_bwd_tangent(
         dmu=dmu, mask_grad=mask_grad, mask_t_grad=mask_t_grad, tangent_grads=tangent_grads,
     )  # fmt: skip
     return tuple(_no_tensor(q) if g is None else g for g in grads)
-
-
-def tangent_bwd_outputs(
-    q_t, k_t, v_t, mask_t, do_t, dmu, mask_grad, mask_t_grad, tangent_grads
-) -> tuple[bool, ...]:
-    """Which of (dq, dk, dv, dq_t, dk_t, dv_t, dmask, dmask_t) ``attn_bwd_tangent`` gives
-    (the others are empty), as _ops.attn_bwd_tangent decides."""
-    tangents = (q_t, k_t, v_t, mask_t)
-    tangent = any(t is not None for t in tangents) and (do_t is not None or dmu is not None)
-    grad_t = tuple(tangent and tangent_grads and t is not None for t in tangents[:3])
-    return (True, True, True, *grad_t, mask_grad, mask_t_grad)
 
 
 @attn_bwd_tangent.register_fake

@@ -16,7 +16,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._utils import MAX_GRID_Y, Spec
+from ._utils import MAX_GRID_Y, Spec, tangent_bwd_outputs, tangent_bwd_runs
 from .kernels import configs
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .kernels.configs import Config
@@ -427,8 +427,7 @@ def attn_bwd_tangent(
     ``mask_grad`` / ``mask_t_grad``).
     """
     lay = _Layout.of(q, k, v, spec)
-    has_tangent = any(t is not None for t in (q_t, k_t, v_t, mask_t))
-    tangent = has_tangent and (do_t is not None or dmu is not None)
+    tangent = tangent_bwd_runs(q_t, k_t, v_t, mask_t, do_t, dmu)
     tangent_s = tangent and any(t is not None for t in (q_t, k_t, mask_t))
     if tangent_s and mu is None:
         raise ValueError("flash_jvp: the tangent backward needs mu, the forward's lse tangent")
@@ -436,8 +435,9 @@ def attn_bwd_tangent(
         raise ValueError("flash_jvp: the tangent backward needs o_t with do_t")
     grad_t = tangent and tangent_grads
     dq, dk, dv = _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
-    dq_t, dk_t, dv_t = (_empty(x.shape, x) if grad_t and t is not None else None
-                        for x, t in ((q, q_t), (k, k_t), (v, v_t)))  # fmt: skip
+    given = tangent_bwd_outputs(q_t, k_t, v_t, mask_t, do_t, dmu, mask_grad, mask_t_grad,
+                                tangent_grads)  # fmt: skip
+    dq_t, dk_t, dv_t = (_empty(x.shape, x) if g else None for x, g in zip((q, k, v), given[3:6]))
     # dmask_t stays zero without a tangent of the scores (dS_t never reaches it then)
     dmask, dmask_t = (_zeros_f32(mask) if need else None for need in (mask_grad, mask_t_grad))
     grads = (dq, dk, dv, dq_t, dk_t, dv_t)

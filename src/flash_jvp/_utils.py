@@ -63,3 +63,20 @@ class Spec:
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
+
+
+def tangent_bwd_runs(q_t, k_t, v_t, mask_t, do_t, dmu) -> bool:
+    """Whether the backward runs through the tangent: the forward had a tangent and o_t or mu
+    (lse's tangent) has a cotangent."""
+    has_tangent = any(t is not None for t in (q_t, k_t, v_t, mask_t))
+    return has_tangent and (do_t is not None or dmu is not None)
+
+
+def tangent_bwd_outputs(
+    q_t, k_t, v_t, mask_t, do_t, dmu, mask_grad, mask_t_grad, tangent_grads
+) -> tuple[bool, ...]:
+    """Which of (dq, dk, dv, dq_t, dk_t, dv_t, dmask, dmask_t) the tangent backward gives
+    (``_ops.attn_bwd_tangent`` allocates by it, the op's fake and callers read it)."""
+    grad_t = tangent_grads and tangent_bwd_runs(q_t, k_t, v_t, mask_t, do_t, dmu)
+    return (True, True, True, *(grad_t and t is not None for t in (q_t, k_t, v_t)), mask_grad,
+            mask_t_grad)  # fmt: skip
