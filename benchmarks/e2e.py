@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import gc
 import json
 import os
@@ -232,16 +233,18 @@ def make_inputs(spec: Spec, device, dtype, seed: int = 0) -> dict:
     }
 
 
-def _autocast(device):
-    if torch.device(device).type == "cuda":
+def _autocast(device, enabled: bool = True):
+    """bf16 autocast on CUDA (the benchmark's fp32 weights + bf16 compute), unless disabled
+    (the fp32 comparisons of smoke_compare)."""
+    if enabled and torch.device(device).type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def jvp_loss(model, inp: dict) -> torch.Tensor:
+def jvp_loss(model, inp: dict, autocast: bool = True) -> torch.Tensor:
     """The loss of the JVP step (forward part): sCM for a DiT, the embedding-tangent loss for
     the LM."""
-    with _autocast(next(model.parameters()).device):
+    with _autocast(next(model.parameters()).device, autocast):
         if isinstance(model, CausalLM):
             emb = model.embed(inp["tokens"])
             logits, logits_t = torch.func.jvp(model.body, (emb,), (inp["emb_t"],))
@@ -251,10 +254,10 @@ def jvp_loss(model, inp: dict) -> torch.Tensor:
         return scm.scm_loss(model, inp["x0"], inp["z"], inp["t"], inp["y"])[0].mean()
 
 
-def plain_loss(model, inp: dict) -> torch.Tensor:
+def plain_loss(model, inp: dict, autocast: bool = True) -> torch.Tensor:
     """The loss of the no-JVP floor: TrigFlow diffusion (v-prediction) for a DiT,
     cross-entropy for the LM."""
-    with _autocast(next(model.parameters()).device):
+    with _autocast(next(model.parameters()).device, autocast):
         if isinstance(model, CausalLM):
             logits = wide(model.body(model.embed(inp["tokens"])))
             return F.cross_entropy(logits.flatten(0, 1), inp["targets"].flatten())
@@ -265,10 +268,12 @@ def plain_loss(model, inp: dict) -> torch.Tensor:
         return (scm.SIGMA_D * pred - v).square().mean()
 
 
-def step_fn(model, inp: dict, jvp: bool, loss_fn: Callable | None = None) -> Callable:
+def step_fn(
+    model, inp: dict, jvp: bool, loss_fn: Callable | None = None, autocast: bool = True
+) -> Callable:
     """A training step without the optimizer: () -> (loss, grads of every weight)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    loss_fn = loss_fn or (jvp_loss if jvp else plain_loss)
+    loss_fn = loss_fn or functools.partial(jvp_loss if jvp else plain_loss, autocast=autocast)
 
     def step():
         loss = loss_fn(model, inp)
@@ -838,15 +843,17 @@ def smoke_compare(spec: Spec, dtype, device="cpu") -> dict:
     _perturb(model)
     inp = make_inputs(spec, device, dtype)
     out = {"model": spec.label, "dtype": str(dtype)}
-    ref_loss, ref_grads = step_fn(set_attention(model, "plain"), inp, jvp=True)()
+    # no autocast: a float32 comparison on CUDA too (under bf16 autocast the step's own
+    # rounding, 5e-2 relative, would hide attention's)
+    ref_loss, ref_grads = step_fn(set_attention(model, "plain"), inp, True, autocast=False)()
     worst = 0.0
     for kind in ("flash_jvp", "math"):
-        loss, grads = step_fn(set_attention(model, kind), inp, jvp=True)()
+        loss, grads = step_fn(set_attention(model, kind), inp, True, autocast=False)()
         rel = max(_rel(g, r) for g, r in zip(grads, ref_grads))
         rel = max(rel, _rel(loss, ref_loss))
         out[kind] = {"loss": loss.item(), "max_rel_diff": rel}
         worst = max(worst, rel)
-    floor_loss, _ = step_fn(set_attention(model, "sdpa"), inp, jvp=False)()
+    floor_loss, _ = step_fn(set_attention(model, "sdpa"), inp, False, autocast=False)()
     out.update(plain_loss=ref_loss.item(), floor_loss=floor_loss.item(), max_rel_diff=worst)
     return out
 

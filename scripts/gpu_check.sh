@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# GPU tier, one device call: the whole test suite on CUDA, `python -m flash_jvp check`, and
-# optionally the benchmark and config tuning. Logs go to $OUT (the device tool's output folder)
-# or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [check] [bench] [long] [tune] [e2e]
-# [examples] [tangent] (e2e: benchmarks/e2e.py, ~5 min; examples: MeanFlow and sCM on the digits
-# with --device cuda, ~2-3 min each, needing scikit-learn and matplotlib; tangent:
-# benchmarks/tangent_bwd.py, the backward through the JVP tangent)
-# TESTS: test paths for the tests step (default: tests). Compiled kernels are cached under
+# GPU tier on CUDA, the check, and optionally benchmarks. Logs go to $OUT (the device tool's
+# output folder) or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [slow] [check] [bench]
+# [long] [tune] [e2e] [examples] [tangent]
+#   tests: the fast GPU tier, every test not marked slow (every file; one device call)
+#   slow:  the sweeps over launch configs (marked slow); tests + slow = the full tier
+#   e2e: benchmarks/e2e.py, ~5 min; examples: MeanFlow and sCM on the digits with --device
+#   cuda, ~2-3 min each, needing scikit-learn and matplotlib; tangent: benchmarks/tangent_bwd.py
+# TESTS: test paths for the test steps (default: tests). Compiled kernels are cached under
 # gpu-results/ (ignored by git), so consecutive calls on a still-warm device reuse them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +21,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   | tee -a "$out/gpu.txt"
 for step in $steps; do
   case $step in
-    tests) timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest ${TESTS:-tests} -q -n 14 -p no:cacheprovider \
-             --durations=15 2>&1 | tee "$out/gpu-tests.txt" || status=1 ;;
+    tests|slow) [ "$step" = tests ] && marks="not slow" || marks=slow
+             timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest ${TESTS:-tests} -m "$marks" -q \
+               -n "${WORKERS:-16}" -p no:cacheprovider --durations=15 2>&1 \
+               | tee "$out/gpu-$step.txt" || status=1 ;;
     check) python3 -m flash_jvp check --json "$out/check.json" 2>&1 \
              | tee "$out/check.txt" || status=1 ;;
     bench) python3 -m flash_jvp bench --out "$out" 2>&1 | tee "$out/bench-log.txt" || status=1 ;;

@@ -54,11 +54,12 @@ def poison_outputs(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _no_tf32():
-    """fp32 means IEEE fp32 unless a test turns TF32 on itself."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    """fp32 means IEEE fp32 unless a test turns TF32 on itself (matmuls, and cuDNN's
+    convolutions, e.g. a DiT's patch embedding, which torch runs in TF32 by default)."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
-    torch.backends.cuda.matmul.allow_tf32 = old
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 @pytest.fixture(params=["kernels", "fallback"])

@@ -61,6 +61,13 @@ SHAPES = [
     case(1, 4, 4, 1000, 1000, 96, marks=gpu),
     case(2, 4, 2, 700, 900, 80, marks=gpu),
     case(1, 4, 4, 1000, 1000, 256, marks=gpu),
+    # split head-dim tiles whose tail is partly padding (40: 32 + 16 with 8 real columns,
+    # 72: 64 + 16 with 8, 136: 128 + 16 with 8) at key lengths off the key blocks: the
+    # fwd+JVP kernel's o_t was wrong there once (Triton 3.6, sm_90)
+    case(2, 4, 2, 1000, 777, 72, marks=gpu),
+    case(1, 4, 4, 300, 77, 72, marks=gpu),
+    case(1, 4, 4, 500, 1001, 40, marks=gpu),
+    case(1, 2, 2, 600, 333, 136, marks=gpu),
 ]
 
 
@@ -124,15 +131,20 @@ def test_empty_batch_gives_empty_output(device):
     assert q.grad.shape == q.shape
 
 
-def test_forward_is_deterministic():
-    q, k, v, _, do = qkv(1, 2, 2, 77, 77, 64)
+@pytest.mark.parametrize("E", [64, 72])
+def test_forward_is_deterministic(E):
+    """o, o_t and the gradients bit for bit the same on every run (a race in a kernel, such
+    as the one of the fwd+JVP kernel at E=72 on sm_90 once, shows here first)."""
+    q, k, v, tangents, do = qkv(1, 2, 2, 77 if not CUDA else 1000, 77, E)
     leaves = [x.requires_grad_() for x in (q, k, v)]
     runs = []
-    for _ in range(2):
-        o = flash_jvp.attention(*leaves, is_causal=True)
-        runs.append((o, *torch.autograd.grad(o, leaves, do)))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    for _ in range(3):
+        o, o_t = torch.func.jvp(lambda *x: flash_jvp.attention(*x, is_causal=True),
+                                tuple(leaves), tangents)  # fmt: skip
+        runs.append((o, o_t, *torch.autograd.grad(o, leaves, do)))
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
 
 
 @needs_kernels

@@ -302,13 +302,25 @@ def test_compiled_training_step_matches_eager(loss_fn, backend, path):
     tangent) compiled with fullgraph, backward eager: loss and every parameter gradient equal
     the eager step's, and match float64 math SDPA."""
     model, x, x_t = _block_inputs()
-    results = []
-    for fn in (loss_fn, torch.compile(loss_fn, backend=backend, fullgraph=True)):
+
+    def step(fn, model):
         model.zero_grad()
         loss = fn(model, x, x_t)
         loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    (loss_e, grads_e), (loss_c, grads_c) = results
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    compiled = torch.compile(loss_fn, backend=backend, fullgraph=True)
+    loss_e, grads_e = step(loss_fn, model)
+    torch_error = _inductor_tvm_error(step, loss_fn, backend)
+    if torch_error is not None:  # torch fails this step without flash_jvp: ours may too
+        try:
+            loss_c, grads_c = step(compiled, model)
+        except RuntimeError as err:
+            assert str(err).splitlines()[0] == torch_error, err
+            pytest.xfail(f"torch's Inductor fails the TVM step of a flash_jvp-free block too: "
+                         f"{torch_error}")  # fmt: skip
+    else:
+        loss_c, grads_c = step(compiled, model)
     assert_same("loss", loss_c, loss_e, _model_exact(path, backend))
     for (name, _), a, b in zip(model.named_parameters(), grads_c, grads_e):
         assert_same(f"grad {name}", a, b, _model_exact(path, backend))
@@ -316,6 +328,30 @@ def test_compiled_training_step_matches_eager(loss_fn, backend, path):
     loss_fn(twin, x.double(), x_t.double()).backward()
     for (name, p), g in zip(twin.named_parameters(), grads_c):
         assert_close_rel(f"grad {name} vs float64", g, p.grad, 1e-4)
+
+
+def _softmax_attention(q, k, v, is_causal):
+    """Attention in plain torch ops (no flash_jvp, no SDPA)."""
+    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if is_causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def _inductor_tvm_error(step, loss_fn, backend: str) -> str | None:
+    """The first line of the error torch's Inductor raises for the TVM step of the same
+    block with plain-op attention, or None. torch 2.11 and 2.13 raise "ZeroTensors are
+    immutable" inside the generated backward (an mm writing into a zero tangent's buffer),
+    on CUDA and on the CPU alike, with a plain softmax attention (without attention the MLP
+    alone compiles)."""
+    if backend != "inductor" or loss_fn is not _tvm_loss:
+        return None
+    twin = Block(attention=_softmax_attention).to(DEVICE)
+    try:
+        step(torch.compile(loss_fn, backend=backend, fullgraph=True), twin)
+    except RuntimeError as err:
+        return str(err).splitlines()[0]
+    return None
 
 
 def test_no_graph_breaks(path):

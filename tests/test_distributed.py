@@ -58,6 +58,12 @@ def test_four_ranks_fallback():
 
 def test_two_ranks_interpreter():
     pytest.importorskip("triton", reason="Triton's interpreter needs triton (the test extra)")
+    import numpy
+
+    if tuple(int(n) for n in numpy.__version__.split(".")[:2]) >= (2, 4):
+        # e.g. the H200 image's numpy 2.5 ("only 0-dimensional arrays can be converted")
+        pytest.skip(f"Triton 3.6's interpreter fails with numpy {numpy.__version__} (needs < 2.4, "
+                    "the test extra's pin; CI runs this test)")  # fmt: skip
     spawn(2, "job_equality", interpreter_cases(), True, interpret=True)
 
 
@@ -66,10 +72,26 @@ def test_api_two_ranks():
     spawn(2, "job_api")
 
 
+# torch.func.jvp through FSDP2's fully_shard fails in torch 2.11 ("Cannot access storage of
+# TensorWrapper" on the CPU, no setup_context on CUDA: pytorch issue #182641), not in 2.13
+FSDP2_JVP = pytest.mark.xfail(
+    torch.__version__ < (2, 12),
+    reason="torch.func.jvp through FSDP2 fails in torch 2.11 (pytorch issue #182641); passes "
+    "on torch 2.13",
+    strict=True,
+)
+
+
 def test_models_two_ranks():
     """The sCM step (jvp, then backward) through context_parallel_sdpa, torch's
-    context_parallel, FSDP2 and DDP, against the single-process model."""
-    spawn(2, "job_models")
+    context_parallel and DDP, against the single-process model."""
+    spawn(2, "job_models", "cpu", ("cp", "torch_cp", "ddp"))
+
+
+@FSDP2_JVP
+def test_fsdp2_two_ranks():
+    """The same step with FSDP2's fully_shard on the same ranks."""
+    spawn(2, "job_models", "cpu", ("fsdp2",))
 
 
 def test_merge_rows_without_keys():
@@ -144,12 +166,7 @@ def test_models_two_gpus_nccl():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    torch.__version__ < (2, 12),
-    reason="torch.func.jvp through FSDP2 fails in torch 2.11 (pytorch issue #182641: "
-    "RegisterPostBackwardFunction has no setup_context); passes on torch 2.13 (CPU tier)",
-    strict=False,
-)
+@FSDP2_JVP
 def test_fsdp2_two_gpus_nccl():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

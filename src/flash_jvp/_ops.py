@@ -116,9 +116,12 @@ class _Layout:
     @staticmethod
     def of(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> _Layout:
         if spec.varlen:
+            # the grid needs no more rows than the totals; clamped here, on the launch's own
+            # ints: in the traced API a min() would guard on max_seqlen (a recompile per
+            # value) and torch.sym_min does not trace under Dynamo of torch 2.11
             n = spec.cu_seqlens_q.numel() - 1
-            return _Layout(n, q.shape[1], k.shape[1], spec.max_seqlen_q, spec.max_seqlen_k,
-                           q.shape[2], v.shape[2])  # fmt: skip
+            lq, lk = min(spec.max_seqlen_q, q.shape[0]), min(spec.max_seqlen_k, k.shape[0])
+            return _Layout(n, q.shape[1], k.shape[1], lq, lk, q.shape[2], v.shape[2])
         return _Layout(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
                        v.shape[3])  # fmt: skip
 

@@ -259,10 +259,6 @@ def varlen_attention(
         return_lse,
     )  # fmt: skip
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    # the launch grid needs no more than the totals (sym_min: no guard on the lengths, so a
-    # compiled call does not recompile for every max_seqlen)
-    max_seqlen_q = torch.sym_min(max_seqlen_q, q.shape[0])
-    max_seqlen_k = torch.sym_min(max_seqlen_k, k.shape[0])
     if not kernels:
         with no_autocast(q.device):
             return reference.varlen_attention_dense(

@@ -55,25 +55,13 @@ def _attn_fwd_pv(
     alpha,
     d_mu,
     v,
-    v_t_desc,
-    v_t_base,
-    off_b,
-    off_hk,
-    start_n,
-    offs_n,
-    stride_vtn,
-    stride_vtd,
-    Lk,
-    N_COLS: tl.constexpr,
-    COLS: tl.constexpr,
-    MASK: tl.constexpr,
+    v_t,
     TANGENT_S: tl.constexpr,
     HAS_V_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
 ):
-    """One key block's update of the accumulators of COLS value columns (N_COLS of them
-    real): rescale by alpha, re-centre acc_t by d_mu, add P_c V + P V_t and P V."""
+    """One key block's update of the accumulators of one value-column tile: rescale by
+    alpha, re-centre acc_t by d_mu, add P_c V + P V_t and P V."""
     acc = acc * alpha[:, None]
     if TANGENT_S or HAS_V_T:
         acc_t = acc_t * alpha[:, None]
@@ -83,8 +71,6 @@ def _attn_fwd_pv(
         acc_t -= d_mu[:, None] * acc
         acc_t = tl.dot(p_s_t.to(v.dtype), v, acc_t, input_precision=DOT_PRECISION)
     if HAS_V_T:
-        v_t, _ = load_keys(v_t_desc, v_t_base, off_b, off_hk, start_n, offs_n,
-                           stride_vtn, stride_vtd, Lk, N_COLS, COLS, 0, MASK, TMA)  # fmt: skip
         acc_t = tl.dot(p.to(v_t.dtype), v_t, acc_t, input_precision=DOT_PRECISION)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, acc_t
@@ -182,6 +168,14 @@ def _attn_fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         v, v2 = load_keys(v_desc, v_base, off_b, off_hk, start_n, offs_n, stride_vn, stride_vd,
                           Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL, CHECK_R, TMA)  # fmt: skip
+        # V_t is loaded here, beside V, not next to its product: loaded there, its tail tile
+        # (head dims such as 72: 8 of 16 columns) came out wrong, nondeterministic or as an
+        # illegal shared-memory read on sm_90 with Triton 3.6 (benchmarks/NOTES.md)
+        v_t, v_t2 = v, v2
+        if HAS_V_T:
+            v_t, v_t2 = load_keys(v_t_desc, v_t_base, off_b, off_hk, start_n, offs_n,
+                                  stride_vtn, stride_vtd, Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL,
+                                  CHECK_R, TMA)  # fmt: skip
         p_s_t = p  # P o (S_t - mu) and the move of mu, with a tangent of the scores
         d_mu = alpha
         if TANGENT_S:
@@ -210,18 +204,11 @@ def _attn_fwd_inner(
             p_s_t = p * (s_t * t_scale - mu_new[:, None])
             d_mu = mu_new - mu_i
             mu_i = mu_new
-        acc, acc_t = _attn_fwd_pv(
-            acc, acc_t, p, p_s_t, alpha, d_mu, v, v_t_desc, v_t_base, off_b, off_hk, start_n,
-            offs_n, stride_vtn, stride_vtd, Lk, DV, HEAD_DIM_V, CHECK_R, TANGENT_S, HAS_V_T,
-            DOT_PRECISION, TMA,
-        )  # fmt: skip
+        acc, acc_t = _attn_fwd_pv(acc, acc_t, p, p_s_t, alpha, d_mu, v, v_t, TANGENT_S, HAS_V_T,
+                                  DOT_PRECISION)  # fmt: skip
         if HEAD_DIM_V_TAIL > 0:  # never with TMA (single tiles only)
-            acc2, acc_t2 = _attn_fwd_pv(
-                acc2, acc_t2, p, p_s_t, alpha, d_mu, v2, v_t_desc,
-                v_t_base + HEAD_DIM_V * stride_vtd, off_b, off_hk, start_n, offs_n, stride_vtn,
-                stride_vtd, Lk, DV - HEAD_DIM_V, HEAD_DIM_V_TAIL, MASK, TANGENT_S, HAS_V_T,
-                DOT_PRECISION, False,
-            )  # fmt: skip
+            acc2, acc_t2 = _attn_fwd_pv(acc2, acc_t2, p, p_s_t, alpha, d_mu, v2, v_t2, TANGENT_S,
+                                        HAS_V_T, DOT_PRECISION)  # fmt: skip
         m_i = m_new
     return acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i
 
