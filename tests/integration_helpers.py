@@ -9,9 +9,9 @@ SDPA, and compares pred, dpred and every parameter's gradient with relative erro
   run through math SDPA, within 2x math SDPA's own float32 error plus a floor;
 * ``bf16``: CUDA only (GPU tier), fp32 weights under bf16 autocast, within 2x PyTorch's own
   error under the same autocast, plus a floor. PyTorch's error is that of the same step with
-  attention in plain bf16 torch ops (reference.attention_ref): math SDPA itself cannot run
-  there (under forward AD and bf16 autocast on CUDA its backward raises "expected input and
-  grad types to match", torch 2.11).
+  attention in plain torch ops (reference.attention_ref, float32 inside, on the bf16 inputs):
+  math SDPA and plain softmax cannot run there (under forward AD and bf16 autocast on CUDA
+  their backward raises "expected input and grad types to match", torch 2.11).
 """
 
 from __future__ import annotations
@@ -162,10 +162,13 @@ def assert_step_matches(mode: str, build, run_flash, run_math) -> dict[str, floa
 
 def _plain_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):  # fmt: skip
-    """SDPA in plain torch ops in the inputs' dtype (what autocast gives them)."""
+    """SDPA in plain torch ops on the inputs autocast gives it (bf16), computed in float32
+    with autocast off, the result cast back (as flash_jvp's CPU fallback does): under autocast
+    torch's softmax backward meets a bf16 input and a float32 gradient and raises."""
     assert dropout_p == 0.0, "the tests' models run without dropout"
-    return reference.attention_ref(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                   upcast=False)  # fmt: skip
+    with _utils.no_autocast(query.device):
+        return reference.attention_ref(query, key, value, attn_mask, is_causal, scale,
+                                       enable_gqa)  # fmt: skip
 
 
 def _via_plain_ops(run: Callable) -> Callable:
