@@ -20,6 +20,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -176,12 +177,8 @@ def _via_plain_ops(run: Callable) -> Callable:
     routes reach, looked up at call time) as plain torch ops."""
 
     def plain(*args):
-        real = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = _plain_sdpa
-        try:
+        with mock.patch.object(F, "scaled_dot_product_attention", _plain_sdpa):
             return run(*args)
-        finally:
-            F.scaled_dot_product_attention = real
 
     return plain
 

@@ -330,23 +330,15 @@ def test_compiled_training_step_matches_eager(loss_fn, backend, path):
         assert_close_rel(f"grad {name} vs float64", g, p.grad, 1e-4)
 
 
-def _softmax_attention(q, k, v, is_causal):
-    """Attention in plain torch ops (no flash_jvp, no SDPA)."""
-    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if is_causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(s, -1) @ v
-
-
 def _inductor_tvm_error(step, loss_fn, backend: str) -> str | None:
     """The first line of the error torch's Inductor raises for the TVM step of the same
-    block with plain-op attention, or None. torch 2.11 and 2.13 raise "ZeroTensors are
-    immutable" inside the generated backward (an mm writing into a zero tangent's buffer),
-    on CUDA and on the CPU alike, with a plain softmax attention (without attention the MLP
+    block with math SDPA as attention (no flash_jvp), or None. torch 2.11 and 2.13 raise
+    "ZeroTensors are immutable" inside the generated backward (an mm writing into a zero
+    tangent's buffer), the same with a plain softmax attention (measured on the CPU; the MLP
     alone compiles)."""
     if backend != "inductor" or loss_fn is not _tvm_loss:
         return None
-    twin = Block(attention=_softmax_attention).to(DEVICE)
+    twin = Block(attention=reference.math_sdpa).to(DEVICE)
     try:
         step(torch.compile(loss_fn, backend=backend, fullgraph=True), twin)
     except RuntimeError as err:
