@@ -22,8 +22,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in $steps; do
   case $step in
     tests|slow) [ "$step" = tests ] && marks="not slow" || marks=slow
-             timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest ${TESTS:-tests} -m "$marks" -q \
-               -n "${WORKERS:-16}" -p no:cacheprovider --durations=15 2>&1 \
+             # one thread per test process: 16 processes on 16 cores compile (Triton,
+             # Inductor) and are CPU-bound; torch's and Inductor's own pools oversubscribe
+             OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 timeout "${TESTS_TIMEOUT:-900}" \
+               python3 -m pytest ${TESTS:-tests} -m "$marks" -q -n "${WORKERS:-16}" \
+               -p no:cacheprovider --durations=25 2>&1 \
                | tee "$out/gpu-$step.txt" || status=1 ;;
     check) python3 -m flash_jvp check --json "$out/check.json" 2>&1 \
              | tee "$out/check.txt" || status=1 ;;
