@@ -2,10 +2,13 @@
 # GPU tier on CUDA, the check, and optionally benchmarks. Logs go to $OUT (the device tool's
 # output folder) or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [slow] [check] [bench]
 # [long] [tune] [e2e] [examples] [tangent]
-#   tests: the fast GPU tier, every test not marked slow (every file; one device call)
-#   slow:  the sweeps over launch configs (marked slow); tests + slow = the full tier
-#   e2e: benchmarks/e2e.py, ~5 min; examples: MeanFlow and sCM on the digits with --device
-#   cuda, ~2-3 min each, needing scikit-learn and matplotlib; tangent: benchmarks/tangent_bwd.py
+#   tests: the fast GPU tier, every test not marked slow (336 s on the H200 at 7788a77)
+#   slow:  the launch-config sweeps and the rest of the dtype x head-dim cross products (310 s);
+#          tests + slow = the full tier
+#   e2e: benchmarks/e2e.py with $E2E_ARGS (e.g. "--rows dit256,dit1024 --budget-s 560": every
+#        row of two models; the default budget skips the last compile rows)
+#   examples: MeanFlow and sCM on the digits with --device cuda, ~2-3 min each, needing
+#        scikit-learn and matplotlib; tangent: benchmarks/tangent_bwd.py
 # TESTS: test paths for the test steps (default: tests). Compiled kernels are cached under
 # gpu-results/ (ignored by git), so consecutive calls on a still-warm device reuse them.
 set -uo pipefail
@@ -35,7 +38,8 @@ for step in $steps; do
     tune) python3 benchmarks/tune.py --out "$out/tune.json" 2>&1 | tee "$out/tune.txt" ;;
     tangent) python3 benchmarks/tangent_bwd.py --out "$out" 2>&1 | tee "$out/tangent-bwd.txt" \
                || status=1 ;;
-    e2e) python3 -m benchmarks.e2e --out "$out" 2>&1 | tee "$out/e2e-log.txt" || status=1 ;;
+    e2e) python3 -m benchmarks.e2e --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e-log.txt" \
+           || status=1 ;;
     examples) for ex in meanflow scm; do
                 python3 -m examples.$ex --device cuda --out "$out/examples/$ex" 2>&1 \
                   | tee "$out/examples-$ex.txt" || status=1
