@@ -398,7 +398,11 @@ def parse_args(argv, name: str, description: str) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--out", default=os.path.join("examples", "out", name))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch sees no CUDA GPU "
+                "(torch.cuda.is_available() is False); use --device cpu")  # fmt: skip
+    return args
 
 
 def main(method: Method, argv, description: str) -> dict:

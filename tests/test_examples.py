@@ -170,3 +170,13 @@ def test_digits_split():
     assert x_tr.shape == (1197, 1, 8, 8) and x_te.shape == (600, 1, 8, 8)
     assert x_tr.min() == -1 and x_tr.max() == 1
     assert torch.bincount(y_te).min() >= 58  # stratified: about 60 of each digit
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA")
+def test_cuda_device_without_a_gpu_is_a_clear_error(capsys):
+    """--device cuda without a GPU: argparse's error naming the option (was: torch's
+    AssertionError traceback from the first tensor moved to CUDA)."""
+    with pytest.raises(SystemExit) as exc:
+        common.parse_args(["--device", "cuda"], "scm", "")
+    assert exc.value.code == 2
+    assert "--device cuda: this torch sees no CUDA GPU" in capsys.readouterr().err
