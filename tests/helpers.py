@@ -20,6 +20,12 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+def slow_if(condition: bool) -> tuple:
+    """Marks putting a case in the slow GPU tier (``scripts/gpu_check.sh slow``) when
+    ``condition`` holds; CI's CPU run (``-m "not gpu"``) ignores the mark."""
+    return (pytest.mark.slow,) if condition else ()
+
+
 def randn(*shape, dtype=torch.float32, device=DEVICE, std=1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=device, dtype=torch.float32) * std).to(dtype)
 

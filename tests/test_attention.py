@@ -12,6 +12,7 @@ from helpers import (
     needs_kernels,
     qkv,
     randn,
+    slow_if,
 )
 
 import flash_jvp
@@ -80,7 +81,7 @@ def _slow_on_gpu(shape, dtype) -> bool:
 
 SHAPE_DTYPES = [
     pytest.param(*p.values, dtype, id=f"{p.id}-{DTYPE_IDS[dtype]}",
-                 marks=(*p.marks, *[pytest.mark.slow] * _slow_on_gpu(p.values[0], dtype)))
+                 marks=(*p.marks, *slow_if(_slow_on_gpu(p.values[0], dtype))))
     for p in SHAPES for dtype in DTYPES
 ]  # fmt: skip
 

@@ -24,6 +24,7 @@ from helpers import (
     needs_kernels,
     qkv,
     randn,
+    slow_if,
 )
 from torch.autograd import forward_ad as fwAD
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
@@ -267,7 +268,7 @@ LAYOUTS = {
 # On the GPU, bool masks under fp16 queries run in the slow tier (bool-fp32 in the fast one).
 LAYOUT_CASES = [
     pytest.param(layout, *MASK_TYPES[t], id=f"{layout}-{t}",
-                 marks=(*[gpu] * (t not in cpu), *[pytest.mark.slow] * (t == "bool-fp16")))
+                 marks=(*[gpu] * (t not in cpu), *slow_if(t == "bool-fp16")))
     for layout, cpu in LAYOUTS.items() for t in MASK_TYPES
 ]  # fmt: skip
 
@@ -363,7 +364,7 @@ def _pcase(name, B, Hq, Hkv, Lq, Lk, E=32, gpu_only=False, cpu=("fp32", "fp16"),
     return [
         pytest.param(name, (B, Hq, Hkv, Lq, Lk, E), kw, dtype,
                      marks=[*[gpu] * (gpu_only or DTYPE_IDS[dtype] not in cpu),
-                            *[pytest.mark.slow] * (dtype == torch.float16)],
+                            *slow_if(dtype == torch.float16)],
                      id=f"{name}-B{B}-H{Hq}x{Hkv}-Lq{Lq}-Lk{Lk}-{DTYPE_IDS[dtype]}")
         for dtype in ALL_DTYPES
     ]  # fmt: skip

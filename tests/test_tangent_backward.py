@@ -26,6 +26,7 @@ from helpers import (
     force_candidate,
     needs_kernels,
     randn,
+    slow_if,
 )
 from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
 
@@ -513,7 +514,7 @@ def test_third_order_is_refused_clearly():
 # power-of-two (128) head dim in the fast GPU tier, the rest of the cross product in the slow one.
 GPU_HEAD_DIM_CASES = [
     pytest.param(case, E, dtype, id=f"{case}-{E}-{DTYPE_IDS[dtype]}",
-                 marks=() if dtype == torch.bfloat16 or E in (72, 128) else pytest.mark.slow)
+                 marks=slow_if(dtype != torch.bfloat16 and E not in (72, 128)))
     for case in CASES for E in (8, 72, 80, 96, 128, 160, 256) for dtype in DTYPES
 ]  # fmt: skip
 
