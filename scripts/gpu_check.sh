@@ -2,8 +2,8 @@
 # GPU tier on CUDA, the check, and optionally benchmarks. Logs go to $OUT (the device tool's
 # output folder) or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [slow] [check] [bench]
 # [long] [tune] [e2e] [examples] [tangent]
-#   tests: the fast GPU tier, every test not marked slow (336 s on the H200 at 7788a77)
-#   slow:  the launch-config sweeps and the rest of the dtype x head-dim cross products (310 s);
+#   tests: the fast GPU tier, every test not marked slow (299 s on the H200 at ca40da8)
+#   slow:  the launch-config sweeps and the rest of the dtype x head-dim cross products (295 s);
 #          tests + slow = the full tier
 #   e2e: benchmarks/e2e.py with $E2E_ARGS (e.g. "--rows dit256,dit1024 --budget-s 560": every
 #        row of two models; the default budget skips the last compile rows)
