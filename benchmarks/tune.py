@@ -25,7 +25,7 @@ from flash_jvp._utils import Spec
 from flash_jvp.kernels import configs
 from flash_jvp.kernels.configs import Config
 
-SHAPES = ["4,16,8192,64", "4,8,8192,128"]  # B, H, L, E
+SHAPES = ["4,16,8192,64", "4,8,8192,128"]  # B, H, L, E (--shapes 4,16,8192,72: bucket 96)
 # Hand-pruned: each compile costs seconds of the lease. (BLOCK_M, BLOCK_N, warps, stages
 # [, maxnreg]); maxnreg caps registers at an occupancy step (128 x 8 warps: 2 blocks per SM).
 # Keyed by the configs' head-dim bucket (kernels/configs.py): the tile width 64, 96 or 128.
@@ -51,18 +51,19 @@ CANDIDATES = {
     ("fwd", 96): [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
     ("dkdv", 96): [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 4, 2)],
     ("dq", 96): [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2)],
-    # the backward through the tangent (TANGENT); the fewest-spill ones of
-    # scripts/compile_sm90.py --tangent first
-    ("dkdv+t", 64): [(32, 64, 8, 2), (16, 64, 4, 2), (32, 128, 8, 2), (64, 64, 8, 2),
-                     (16, 64, 8, 2)],
-    ("dkdv+t", 96): [(16, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
-    ("dkdv+t", 128): [(16, 64, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 8, 2),
-                      (16, 128, 8, 2)],
-    ("dq+t", 64): [(128, 32, 8, 2), (64, 32, 4, 2), (64, 16, 4, 2), (64, 64, 8, 2),
-                   (128, 64, 8, 2)],
-    ("dq+t", 96): [(128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2)],
-    ("dq+t", 128): [(128, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2), (128, 16, 8, 2),
-                    (64, 16, 4, 2)],
+    # the backward through the tangent (TANGENT kernels: dk, dv / dq only, the tangents'
+    # gradients come from the primal kernels; see kernels/bwd.py)
+    ("dkdv+t", 64): [(32, 128, 8, 2), (32, 64, 4, 3), (32, 64, 4, 2), (64, 64, 8, 2),
+                     (64, 128, 8, 2), (16, 64, 4, 2), (32, 128, 4, 2)],
+    ("dkdv+t", 96): [(32, 64, 4, 3), (32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 8, 2),
+                     (16, 64, 4, 2)],
+    ("dkdv+t", 128): [(32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 64, 4, 2),
+                      (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3)],
+    ("dq+t", 64): [(128, 32, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2),
+                   (64, 32, 4, 2), (128, 64, 8, 3)],
+    ("dq+t", 96): [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
+    ("dq+t", 128): [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2),
+                    (64, 64, 8, 2)],
 }  # fmt: skip
 KERNEL_CONFIGS = {"fwd": "fwd", "jvp": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq",
                   "dkdv+t": "bwd_dkdv", "dq+t": "bwd_dq"}  # fmt: skip
@@ -94,8 +95,14 @@ def time_config(kind, cfg, shape, case, compile_only=False):
     the other backward kernel keeping its configured choice), or the error's name."""
     q, k, v, (qt, kt, vt), do, mask, spec = problem(shape, case)
     name = KERNEL_CONFIGS[kind]
-    saved = getattr(configs, name)
-    setattr(configs, name, lambda *a: [cfg])
+    configured = getattr(configs, name)
+    # only this kind's variant: the backward through the tangent runs the primal kernels too
+    tangent_kind = kind == "jvp" or kind.endswith("+t")
+
+    def only_this(width, dtype, tangent=False, *more):
+        return [cfg] if tangent == tangent_kind else configured(width, dtype, tangent, *more)
+
+    setattr(configs, name, only_this)
     _ops._CHOSEN.clear()
     try:
         if kind in ("fwd", "jvp"):
@@ -103,8 +110,8 @@ def time_config(kind, cfg, shape, case, compile_only=False):
             fn = lambda: _ops.attn_fwd(q, k, v, *tangents, mask, None, spec)  # noqa: E731
         elif kind.endswith("+t"):  # through o and o_t, every tangent (a TVM step)
             o, o_t, lse, mu = _ops.attn_fwd(q, k, v, qt, kt, vt, mask, None, spec)
-            saved = (q, k, v, qt, kt, vt, o, o_t, lse, mu, mask, None, spec)
-            fn = lambda: _ops.attn_bwd_tangent(do, do, *saved)  # noqa: E731
+            fwd_out = (q, k, v, qt, kt, vt, o, o_t, lse, mu, mask, None, spec)
+            fn = lambda: _ops.attn_bwd_tangent(do, do, *fwd_out)  # noqa: E731
         else:
             o, _, lse, _ = _ops.attn_fwd(q, k, v, None, None, None, mask, None, spec)
             fn = lambda: _ops.attn_bwd(do, q, k, v, o, lse, mask, spec)  # noqa: E731
@@ -113,9 +120,9 @@ def time_config(kind, cfg, shape, case, compile_only=False):
             return 0.0
         return do_bench(fn, warmup=10, rep=40, return_mode="median")
     except Exception as err:  # out of resources etc.: not a candidate
-        return f"{type(err).__name__}"
+        return f"{type(err).__name__}: {str(err)[:100]}"
     finally:
-        setattr(configs, name, saved)
+        setattr(configs, name, configured)
         _ops._CHOSEN.clear()
 
 

@@ -79,11 +79,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 _STRIDE_NAMES = {
     prefix: tuple(f"stride_{prefix}{n}" for n in names)
     for names, prefixes in (
-        (("b", "h", "m", "n"), ("m", "mt", "g", "gt")),  # masks: (b, h, query row, key)
+        (("b", "h", "m", "n"), ("m", "mt", "g")),  # masks: (b, h, query row, key)
         (("b", "h", "g"), ("r",)),  # tile-range tables: (b, h, group)
         # dt: dO_t, the cotangent of o_t
-        (("b", "h", "m", "d"), ("q", "o", "qt", "ot", "do", "dq", "dt", "dqt")),
-        (("b", "h", "n", "d"), ("k", "v", "kt", "vt", "dk", "dv", "dkt", "dvt")),
+        (("b", "h", "m", "d"), ("q", "o", "qt", "ot", "do", "dq", "dt")),
+        (("b", "h", "n", "d"), ("k", "v", "kt", "vt", "dk", "dv")),
     )
     for prefix in prefixes
 }
@@ -483,59 +483,93 @@ def attn_bwd_tangent(
     mask_t_full = (
         mask_t.expand(lay.B, lay.H, lay.Lq, lay.Lk) if tangent_s and mask_t is not None else None
     )
-    flags = dict(
-        IS_CAUSAL=spec.causal_offset is not None, VARLEN=spec.varlen,
-        DOT_PRECISION=_dot_precision(q.dtype), HAS_DO=do is not None, TANGENT=tangent,
-        HAS_DO_T=do_t is not None, HAS_Q_T=q_t4 is not None, HAS_K_T=k_t4 is not None,
-        HAS_V_T=v_t4 is not None, HAS_MASK_T=mask_t_full is not None, GRAD_T=grad_t,
-    )  # fmt: skip
     common = dict(
-        Q=q4, K=k4, V=v4, DO=_or(do4, q4), LSE=lse, DELTA=delta, **seqlens,
+        Q=q4, K=k4, V=v4, LSE=lse, **seqlens,
         Q_T=_or(q_t4, q4), K_T=_or(k_t4, k4), V_T=_or(v_t4, v4), DO_T=_or(do_t4, q4),
         MASK_T=_or(mask_t_full, q4), GAMMA=_or(gamma, lse), MU=_or(mu, lse),
-        **_strides(q4, "q"), **_strides(k4, "k"), **_strides(v4, "v"), **_strides(do4, "do"),
+        **_strides(q4, "q"), **_strides(k4, "k"), **_strides(v4, "v"),
         **_strides(q_t4, "qt"), **_strides(k_t4, "kt"), **_strides(v_t4, "vt"),
         **_strides(do_t4, "dt"), **_strides(mask_t_full, "mt"),
         **_lse_strides(lse, spec), scale=spec.scale, mask_min=mask_min,
         causal_offset=spec.causal_offset or 0, H=lay.H, GROUP=lay.H // lay.H_KV,
-        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, **tiles, **flags,
+        Lq=lay.Lq, Lk=lay.Lk, D=lay.D, DV=lay.DV, **tiles, VARLEN=spec.varlen,
+        IS_CAUSAL=spec.causal_offset is not None, DOT_PRECISION=_dot_precision(q.dtype),
         STRIDE_ALIGN=_stride_align(q4, k4, v4, do4, dq4, dk4, dv4, q_t4, k_t4, v_t4, do_t4,
                                    dq_t4, dk_t4, dv_t4),
     )  # fmt: skip
-    tile = _tile_width(tiles)
-    dkdv_mask = _mask_args(mask, lay, mask_min, by_keys=True)
-    dkdv_mask.setdefault("MASK", q4)
-    dkdv_mask.setdefault("Q_RANGES", lse)
-    key = (tuple(tiles.values()), q.dtype, spec.varlen, mask_kind(mask), q.device.index,
+    masks = (
+        _mask_args(mask, lay, mask_min, by_keys=True),
+        _mask_args(mask, lay, mask_min, by_keys=False, grad=mask_grad or mask_t_grad),
+    )
+    _bwd_launches(
+        common, masks, mask, lay, do4, delta, dq4, dk4, dv4, dmask, TANGENT=tangent,
+        HAS_DO_T=do_t is not None, HAS_Q_T=q_t4 is not None, HAS_K_T=k_t4 is not None,
+        HAS_V_T=v_t4 is not None, HAS_MASK_T=mask_t_full is not None,
+    )  # fmt: skip
+    mask_t_grad = mask_t_grad and tangent_s  # dS_t never reaches dmask_t otherwise
+    if grad_t or mask_t_grad:
+        # dQ_t, dK_t, dV_t and dmask_t are the primal backward's dQ, dK, dV and dmask with
+        # dO := dO_t and delta := gamma (kernels/bwd.py): the primal kernels give them
+        _bwd_launches(common, masks, mask, lay, do_t4, gamma, dq_t4, dk_t4, dv_t4,
+                      dmask_t if mask_t_grad else None)  # fmt: skip
+    return (*grads, _cast(dmask, mask), _cast(dmask_t, mask))
+
+
+def _bwd_launches(
+    args: dict,
+    masks: tuple[dict, dict],
+    mask: Tensor | None,
+    lay: _Layout,
+    do4: Tensor | None,
+    delta: Tensor,
+    dq4: Tensor | None,
+    dk4: Tensor | None,
+    dv4: Tensor | None,
+    dmask: Tensor | None,
+    **tangent_flags: bool,
+) -> None:
+    """The dK/dV and dQ kernels: into dk4, dv4 (neither: not launched; one: the other into a
+    scratch buffer), dq4 (None: launched only for dmask) and dmask (float32 sums, or None).
+    ``args``: the arguments both share; ``masks``: _mask_args by keys and by query rows;
+    ``tangent_flags``: TANGENT and the HAS_* of the tangents (default: the primal backward).
+    """
+    flags = dict(HAS_DO=do4 is not None, TANGENT=False, HAS_DO_T=False, HAS_Q_T=False,
+                 HAS_K_T=False, HAS_V_T=False, HAS_MASK_T=False) | tangent_flags  # fmt: skip
+    args = dict(args, DO=_or(do4, args["Q"]), DELTA=delta, **_strides(do4, "do"), **flags)
+    q4, k4, v4 = args["Q"], args["K"], args["V"]
+    tiles = {n: args[n] for n in ("HEAD_DIM", "HEAD_DIM_TAIL", "HEAD_DIM_V", "HEAD_DIM_V_TAIL")}
+    tile, tangent = _tile_width(tiles), flags["TANGENT"]
+    key = (tuple(tiles.values()), q4.dtype, args["VARLEN"], args["IS_CAUSAL"],
+           args["DOT_PRECISION"], mask_kind(mask), q4.device.index,
            tuple(flags.values()))  # fmt: skip
-    for split in _mask_splits(mask):
-        _launch(
-            attn_bwd_dkdv_kernel,
-            lambda c: (_cdiv(lay.Lk, c.BLOCK_N), lay.B * lay.H_KV),
-            configs.bwd_dkdv(tile, q.dtype, tangent),
-            ("dkdv", split) + key,
-            DK=dk4, DV_OUT=dv4, DK_T=_or(dk_t4, dk4), DV_T=_or(dv_t4, dv4),
-            **_strides(dk4, "dk"), **_strides(dv4, "dv"), **_strides(dk_t4, "dkt"),
-            **_strides(dv_t4, "dvt"), H_KV=lay.H_KV, MASK_SPLIT=split, **dkdv_mask, **common,
-        )  # fmt: skip
-    dq_mask = _mask_args(mask, lay, mask_min, by_keys=False, grad=mask_grad or mask_t_grad)
-    dq_mask.setdefault("MASK", q4)
-    dq_mask.setdefault("KV_RANGES", lse)
-    dmask_full, dmask_t_full = (None if g is None else g.expand(lay.B, lay.H, lay.Lq, lay.Lk)
-                                for g in (dmask, dmask_t))  # fmt: skip
+    dkdv_mask, dq_mask = ({"MASK": q4, "Q_RANGES": args["LSE"]} | masks[0],
+                          {"MASK": q4, "KV_RANGES": args["LSE"]} | masks[1])  # fmt: skip
+    if dk4 is not None or dv4 is not None:
+        dk4 = dk4 if dk4 is not None else _empty(k4.shape, k4)
+        dv4 = dv4 if dv4 is not None else _empty(v4.shape, v4)
+        for split in _mask_splits(mask):
+            _launch(
+                attn_bwd_dkdv_kernel,
+                lambda c: (_cdiv(lay.Lk, c.BLOCK_N), lay.B * lay.H_KV),
+                configs.bwd_dkdv(tile, q4.dtype, tangent),
+                ("dkdv", split) + key,
+                DK=dk4, DV_OUT=dv4, **_strides(dk4, "dk"), **_strides(dv4, "dv"),
+                H_KV=lay.H_KV, MASK_SPLIT=split, **dkdv_mask, **args,
+            )  # fmt: skip
+    if dq4 is None and dmask is None:
+        return
+    dq4 = dq4 if dq4 is not None else _empty(q4.shape, q4)
+    dmask_full = None if dmask is None else dmask.expand(lay.B, lay.H, lay.Lq, lay.Lk)
     for split in _mask_splits(mask):
         _launch(
             attn_bwd_dq_kernel,
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
-            configs.bwd_dq(tile, q.dtype, tangent),
-            ("dq", mask_grad, mask_t_grad, split) + key,
-            DQ=dq4, DMASK=_or(dmask_full, lse), DQ_T=_or(dq_t4, dq4),
-            DMASK_T=_or(dmask_t_full, lse), MASK_GRAD=mask_grad,
-            MASK_T_GRAD=mask_t_grad and tangent_s, MASK_SPLIT=split,
-            **_strides(dq4, "dq"), **_strides(dmask_full, "g"), **_strides(dq_t4, "dqt"),
-            **_strides(dmask_t_full, "gt"), **dq_mask, **common,
+            configs.bwd_dq(tile, q4.dtype, tangent),
+            ("dq", dmask is not None, split) + key,
+            DQ=dq4, DMASK=_or(dmask_full, args["LSE"]), MASK_GRAD=dmask is not None,
+            MASK_SPLIT=split, **_strides(dq4, "dq"), **_strides(dmask_full, "g"), **dq_mask,
+            **args,
         )  # fmt: skip
-    return (*grads, _cast(dmask, mask), _cast(dmask_t, mask))
 
 
 def _zeros_f32(mask: Tensor) -> Tensor:

@@ -20,11 +20,16 @@ and per tile
     dK  += scale (dS^T Q + dS_t^T Q_t), dK_t += scale dS_t^T Q,
     dV  += P^T dO + P_t^T G,            dV_t += P^T G,
 
-(reference.attention_tangent_bwd has the derivation; checked against float64 autograd). That
-is 12 GEMMs per tile in the dK/dV kernel and 9 in the dQ kernel against the primal's 4 and 3;
-every per-row statistic is O(L) (mu stored by the forward: recomputing it would need another
-pass over the keys, 3 GEMMs per tile). Missing tangents and cotangents are compile-time
-switches, so the primal backward compiles exactly as without them.
+(reference.attention_tangent_bwd has the derivation; checked against float64 autograd).
+dQ_t, dK_t, dV_t (and the mask tangent's gradient, dS_t) are the primal backward's dQ, dK,
+dV (dmask) with dO := G and delta := gamma, so _ops runs the primal kernels for them; the
+TANGENT kernels compute dQ, dK, dV only. Fused, the dK/dV kernel held four accumulators and
+four key-side tiles (k, v, k_t, v_t) and ran at a fifth of the primal's efficiency on the
+H200 (benchmarks/NOTES.md); split, it does 10 GEMMs per tile (the dQ kernel 8) and the
+primal kernels 4 and 3 more. Every per-row statistic is O(L) (mu stored by the forward:
+recomputing it would need another pass over the keys, 3 GEMMs per tile). Missing tangents
+and cotangents are compile-time switches, so the primal backward compiles exactly as without
+them.
 
 `attn_bwd_dkdv_kernel` owns one key block and walks the query blocks of every query head of
 its group (so GQA sums dK/dV over the group without atomics); `attn_bwd_dq_kernel` owns one
@@ -191,10 +196,6 @@ def _attn_bwd_dkdv_inner(
     dk2,
     dv,
     dv2,
-    dk_t,
-    dk_t2,
-    dv_t,
-    dv_t2,
     k,
     k2,
     v,
@@ -253,7 +254,6 @@ def _attn_bwd_dkdv_inner(
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
-    GRAD_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # Everything here is transposed ([BLOCK_N, BLOCK_M]: keys x query rows, names ending in
@@ -305,12 +305,7 @@ def _attn_bwd_dkdv_inner(
                     dv = tl.dot(p_tT, g, dv, input_precision=DOT_PRECISION)
                     if HEAD_DIM_V_TAIL > 0:
                         dv2 = tl.dot(p_tT, g2, dv2, input_precision=DOT_PRECISION)
-                if HAS_V_T:  # dV_t += P^T G; dP += G V_t^T
-                    if GRAD_T:
-                        dv_t = tl.dot(pT.to(g.dtype), g, dv_t, input_precision=DOT_PRECISION)
-                        if HEAD_DIM_V_TAIL > 0:
-                            dv_t2 = tl.dot(pT.to(g.dtype), g2, dv_t2,
-                                           input_precision=DOT_PRECISION)  # fmt: skip
+                if HAS_V_T:  # dP += G V_t^T
                     dpT = dot_split(v_t, v_t2, g, g2, dpT, HEAD_DIM_V_TAIL, DOT_PRECISION)
             dsT = pT * (dpT - delta[None, :])
             if TANGENT_S:
@@ -324,17 +319,12 @@ def _attn_bwd_dkdv_inner(
                     dk = tl.dot(ds_tT.to(q.dtype), q_t, dk, input_precision=DOT_PRECISION)
                     if HEAD_DIM_TAIL > 0:
                         dk2 = tl.dot(ds_tT.to(q.dtype), q_t2, dk2, input_precision=DOT_PRECISION)
-                if HAS_K_T and GRAD_T:  # dK_t += dS_t^T Q
-                    dk_t = tl.dot(ds_tT.to(q.dtype), q, dk_t, input_precision=DOT_PRECISION)
-                    if HEAD_DIM_TAIL > 0:
-                        dk_t2 = tl.dot(ds_tT.to(q.dtype), q2, dk_t2,
-                                       input_precision=DOT_PRECISION)  # fmt: skip
         else:
             dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         if HEAD_DIM_TAIL > 0:
             dk2 = tl.dot(dsT.to(q.dtype), q2, dk2, input_precision=DOT_PRECISION)
-    return dk, dk2, dv, dv2, dk_t, dk_t2, dv_t, dv_t2
+    return dk, dk2, dv, dv2
 
 
 @triton.jit
@@ -358,8 +348,6 @@ def attn_bwd_dkdv_kernel(
     MASK_T,
     GAMMA,
     MU,
-    DK_T,
-    DV_T,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -413,14 +401,6 @@ def attn_bwd_dkdv_kernel(
     stride_mth,
     stride_mtm,
     stride_mtn,
-    stride_dktb,
-    stride_dkth,
-    stride_dktn,
-    stride_dktd,
-    stride_dvtb,
-    stride_dvth,
-    stride_dvtn,
-    stride_dvtd,
     scale,
     mask_min,
     causal_offset,
@@ -450,12 +430,10 @@ def attn_bwd_dkdv_kernel(
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
-    GRAD_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
 ):
-    """dk, dv (with TANGENT and GRAD_T also dk_t, dv_t of the present tangents) for one
-    [BLOCK_N] key block of one kv head. Grid: (cdiv(Lk, BLOCK_N), B * H_KV).
+    """dk, dv for one [BLOCK_N] key block of one kv head. Grid: (cdiv(Lk, BLOCK_N), B * H_KV).
 
     TANGENT: the backward through the tangent too (module docstring); Q_T..MASK_T are the
     forward's tangents (HAS_*), DO_T the cotangent of o_t (HAS_DO_T), GAMMA and MU per-row
@@ -466,8 +444,6 @@ def attn_bwd_dkdv_kernel(
     stride_dkn, stride_dvn = aligned(stride_dkn, STRIDE_ALIGN), aligned(stride_dvn, STRIDE_ALIGN)
     stride_qtm, stride_dtm = aligned(stride_qtm, STRIDE_ALIGN), aligned(stride_dtm, STRIDE_ALIGN)
     stride_ktn, stride_vtn = aligned(stride_ktn, STRIDE_ALIGN), aligned(stride_vtn, STRIDE_ALIGN)
-    stride_dktn = aligned(stride_dktn, STRIDE_ALIGN)
-    stride_dvtn = aligned(stride_dvtn, STRIDE_ALIGN)
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND  # see fwd.py
     start_n = tl.program_id(0) * BLOCK_N
     pid_bhk = tl.program_id(1)
@@ -498,15 +474,6 @@ def attn_bwd_dkdv_kernel(
         dk2 = tl.zeros([BLOCK_N, HEAD_DIM_TAIL], dtype=tl.float32)
     if HEAD_DIM_V_TAIL > 0:
         dv2 = tl.zeros([BLOCK_N, HEAD_DIM_V_TAIL], dtype=tl.float32)
-    dk_t, dk_t2, dv_t, dv_t2 = dk, dk2, dv, dv2  # the tangents' (unused without them)
-    if TANGENT and GRAD_T and HAS_K_T:
-        dk_t = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        if HEAD_DIM_TAIL > 0:
-            dk_t2 = tl.zeros([BLOCK_N, HEAD_DIM_TAIL], dtype=tl.float32)
-    if TANGENT and GRAD_T and HAS_V_T:
-        dv_t = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
-        if HEAD_DIM_V_TAIL > 0:
-            dv_t2 = tl.zeros([BLOCK_N, HEAD_DIM_V_TAIL], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     if IS_CAUSAL:
@@ -550,16 +517,15 @@ def attn_bwd_dkdv_kernel(
                     if stage == 0
                     else tl.minimum(q_bound, r_hi)
                 )
-                dk, dk2, dv, dv2, dk_t, dk_t2, dv_t, dv_t2 = _attn_bwd_dkdv_inner(
-                    dk, dk2, dv, dv2, dk_t, dk_t2, dv_t, dv_t2, k, k2, v, v2, k_t, k_t2, v_t,
-                    v_t2, offs_n, q_base, do_base, q_t_base, do_t_base, mask_base, mask_t_base,
-                    LSE, DELTA, GAMMA, MU, row_base, stride_qm, stride_qd, stride_dom,
-                    stride_dod, stride_qtm, stride_qtd, stride_dtm, stride_dtd, stride_mm,
-                    stride_mn, stride_mtm, stride_mtn, s_lo, s_hi, q_bound, Lk, causal_offset,
-                    qk_scale, scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
-                    HEAD_DIM_V_TAIL, BLOCK_M, stage == 0, LOOP_MASK_KIND, MASK_SAME_ROWS,
-                    MASK_SAME_COLS, HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T, HAS_V_T,
-                    HAS_MASK_T, GRAD_T, DOT_PRECISION,
+                dk, dk2, dv, dv2 = _attn_bwd_dkdv_inner(
+                    dk, dk2, dv, dv2, k, k2, v, v2, k_t, k_t2, v_t, v_t2, offs_n, q_base, do_base,
+                    q_t_base, do_t_base, mask_base, mask_t_base, LSE, DELTA, GAMMA, MU, row_base,
+                    stride_qm, stride_qd, stride_dom, stride_dod, stride_qtm, stride_qtd,
+                    stride_dtm, stride_dtd, stride_mm, stride_mn, stride_mtm, stride_mtn, s_lo,
+                    s_hi, q_bound, Lk, causal_offset, qk_scale, scale, mask_min, D, DV, HEAD_DIM,
+                    HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_M, stage == 0, LOOP_MASK_KIND,
+                    MASK_SAME_ROWS, MASK_SAME_COLS, HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T,
+                    HAS_V_T, HAS_MASK_T, DOT_PRECISION,
                 )  # fmt: skip
 
     dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn
@@ -570,14 +536,6 @@ def attn_bwd_dkdv_kernel(
                 stride_dkd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
     store_split(dv_base, dv.to(dv_ty), dv2.to(dv_ty), offs_n, stride_dvn, stride_dvd, Lk, DV,
                 HEAD_DIM_V, HEAD_DIM_V_TAIL)  # fmt: skip
-    if TANGENT and GRAD_T and HAS_K_T:
-        dk_t_base = DK_T + off_b * stride_dktb + off_hk * stride_dkth + k_start * stride_dktn
-        store_split(dk_t_base, (dk_t * scale).to(dk_ty), (dk_t2 * scale).to(dk_ty), offs_n,
-                    stride_dktn, stride_dktd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
-    if TANGENT and GRAD_T and HAS_V_T:
-        dv_t_base = DV_T + off_b * stride_dvtb + off_hk * stride_dvth + k_start * stride_dvtn
-        store_split(dv_t_base, dv_t.to(dv_ty), dv_t2.to(dv_ty), offs_n, stride_dvtn,
-                    stride_dvtd, Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL)  # fmt: skip
 
 
 @triton.jit
@@ -609,8 +567,6 @@ def _add_mask_grad(
 def _attn_bwd_dq_inner(
     dq,
     dq2,
-    dq_t,
-    dq_t2,
     q,
     q2,
     q_t,
@@ -631,7 +587,6 @@ def _attn_bwd_dq_inner(
     mask_base,
     mask_t_base,
     dmask_base,
-    dmask_t_base,
     stride_kn,
     stride_kd,
     stride_vn,
@@ -646,8 +601,6 @@ def _attn_bwd_dq_inner(
     stride_mtn,
     stride_gm,
     stride_gn,
-    stride_gtm,
-    stride_gtn,
     lo,
     hi,
     Lq,
@@ -676,8 +629,6 @@ def _attn_bwd_dq_inner(
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
-    GRAD_T: tl.constexpr,
-    MASK_T_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     TANGENT_S: tl.constexpr = TANGENT and (HAS_Q_T or HAS_K_T or HAS_MASK_T)
@@ -725,24 +676,17 @@ def _attn_bwd_dq_inner(
             else:  # only mu's cotangent (gamma = -dmu)
                 ds_t = p * (-gamma[:, None])
             ds += ds_t * (s_t - mu[:, None])
-            if MASK_T_GRAD:  # d loss / d (the additive mask's tangent) = dS_t
-                _add_mask_grad(dmask_t_base, ds_t, offs_m, offs_n, stride_gtm, stride_gtn, Lq,
-                               Lk, MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
             if HAS_K_T:  # dQ += dS_t K_t
                 dq = tl.dot(ds_t.to(k.dtype), k_t, dq, input_precision=DOT_PRECISION)
                 if HEAD_DIM_TAIL > 0:
                     dq2 = tl.dot(ds_t.to(k.dtype), k_t2, dq2, input_precision=DOT_PRECISION)
-            if HAS_Q_T and GRAD_T:  # dQ_t += dS_t K
-                dq_t = tl.dot(ds_t.to(k.dtype), k, dq_t, input_precision=DOT_PRECISION)
-                if HEAD_DIM_TAIL > 0:
-                    dq_t2 = tl.dot(ds_t.to(k.dtype), k2, dq_t2, input_precision=DOT_PRECISION)
         if MASK_GRAD:  # d loss / d (additive mask) = dS
             _add_mask_grad(dmask_base, ds, offs_m, offs_n, stride_gm, stride_gn, Lq, Lk,
                            MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         if HEAD_DIM_TAIL > 0:
             dq2 = tl.dot(ds.to(k.dtype), k2, dq2, input_precision=DOT_PRECISION)
-    return dq, dq2, dq_t, dq_t2
+    return dq, dq2
 
 
 @triton.jit
@@ -766,8 +710,6 @@ def attn_bwd_dq_kernel(
     MASK_T,
     GAMMA,
     MU,
-    DQ_T,
-    DMASK_T,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -821,14 +763,6 @@ def attn_bwd_dq_kernel(
     stride_mth,
     stride_mtm,
     stride_mtn,
-    stride_dqtb,
-    stride_dqth,
-    stride_dqtm,
-    stride_dqtd,
-    stride_gtb,
-    stride_gth,
-    stride_gtm,
-    stride_gtn,
     scale,
     mask_min,
     causal_offset,
@@ -858,23 +792,19 @@ def attn_bwd_dq_kernel(
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
-    GRAD_T: tl.constexpr,
-    MASK_T_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
 ):
-    """dq (and the additive mask's gradient; with TANGENT and GRAD_T also dq_t, with
-    MASK_T_GRAD that of the mask's tangent) for one [BLOCK_M] query block.
+    """dq (and with MASK_GRAD the additive mask's gradient) for one [BLOCK_M] query block.
 
-    Grid: (cdiv(Lq, BLOCK_M), B * H). DMASK, DMASK_T: float32, zeroed, broadcast like MASK
-    (stride_g*, stride_gt*). Tangent arguments as in attn_bwd_dkdv_kernel.
+    Grid: (cdiv(Lq, BLOCK_M), B * H). DMASK: float32, zeroed, broadcast like MASK
+    (stride_g*). Tangent arguments as in attn_bwd_dkdv_kernel.
     """
     stride_qm, stride_dom = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_dom, STRIDE_ALIGN)
     stride_kn, stride_vn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_vn, STRIDE_ALIGN)
     stride_dqm = aligned(stride_dqm, STRIDE_ALIGN)
     stride_qtm, stride_dtm = aligned(stride_qtm, STRIDE_ALIGN), aligned(stride_dtm, STRIDE_ALIGN)
     stride_ktn, stride_vtn = aligned(stride_ktn, STRIDE_ALIGN), aligned(stride_vtn, STRIDE_ALIGN)
-    stride_dqtm = aligned(stride_dqtm, STRIDE_ALIGN)
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND  # see fwd.py
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
@@ -912,16 +842,10 @@ def attn_bwd_dq_kernel(
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh
     mask_t_base = MASK_T + off_b * stride_mtb + off_h * stride_mth
     dmask_base = DMASK + off_b * stride_gb + off_h * stride_gh
-    dmask_t_base = DMASK_T + off_b * stride_gtb + off_h * stride_gth
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq2 = dq  # the tail columns' (unused without HEAD_DIM_TAIL)
     if HEAD_DIM_TAIL > 0:
         dq2 = tl.zeros([BLOCK_M, HEAD_DIM_TAIL], dtype=tl.float32)
-    dq_t, dq_t2 = dq, dq2  # the tangent's (unused without it)
-    if TANGENT and GRAD_T and HAS_Q_T:
-        dq_t = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        if HEAD_DIM_TAIL > 0:
-            dq_t2 = tl.zeros([BLOCK_M, HEAD_DIM_TAIL], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     lo, hi, k_bound, run = block_range(
@@ -934,23 +858,18 @@ def attn_bwd_dq_kernel(
     for stage in tl.static_range(2):  # unmasked key blocks first
         s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
         s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
-        dq, dq2, dq_t, dq_t2 = _attn_bwd_dq_inner(
-            dq, dq2, dq_t, dq_t2, q, q2, q_t, q_t2, do, do2, g, g2, lse, delta, gamma, mu,
-            offs_m, k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base, dmask_base,
-            dmask_t_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_ktn, stride_ktd,
-            stride_vtn, stride_vtd, stride_mm, stride_mn, stride_mtm, stride_mtn, stride_gm,
-            stride_gn, stride_gtm, stride_gtn, s_lo, s_hi, Lq, k_bound, causal_offset,
-            qk_scale, scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
+        dq, dq2 = _attn_bwd_dq_inner(
+            dq, dq2, q, q2, q_t, q_t2, do, do2, g, g2, lse, delta, gamma, mu, offs_m, k_base,
+            v_base, k_t_base, v_t_base, mask_base, mask_t_base, dmask_base, stride_kn, stride_kd,
+            stride_vn, stride_vd, stride_ktn, stride_ktd, stride_vtn, stride_vtd, stride_mm,
+            stride_mn, stride_mtm, stride_mtn, stride_gm, stride_gn, s_lo, s_hi, Lq, k_bound,
+            causal_offset, qk_scale, scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
             HEAD_DIM_V_TAIL, BLOCK_N, stage == 1, IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS,
             MASK_SAME_COLS, MASK_GRAD, HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T, HAS_V_T,
-            HAS_MASK_T, GRAD_T, MASK_T_GRAD, DOT_PRECISION,
+            HAS_MASK_T, DOT_PRECISION,
         )  # fmt: skip
 
     dq_ty = DQ.dtype.element_ty
     store_split(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm,
                 (dq * scale).to(dq_ty), (dq2 * scale).to(dq_ty), offs_m, stride_dqm, stride_dqd,
                 Lq, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
-    if TANGENT and GRAD_T and HAS_Q_T:
-        store_split(DQ_T + off_b * stride_dqtb + off_h * stride_dqth + q_start * stride_dqtm,
-                    (dq_t * scale).to(dq_ty), (dq_t2 * scale).to(dq_ty), offs_m, stride_dqtm,
-                    stride_dqtd, Lq, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
