@@ -8,7 +8,7 @@
 #   e2e: benchmarks/e2e.py with $E2E_ARGS (e.g. "--rows dit256,dit1024 --budget-s 560": every
 #        row of two models; the default budget skips the last compile rows)
 #   examples: MeanFlow and sCM on the digits with --device cuda, ~2-3 min each, needing
-#        scikit-learn and matplotlib; tangent: benchmarks/tangent_bwd.py
+#        scikit-learn and matplotlib; tangent: benchmarks/tangent_bwd.py with $TANGENT_ARGS
 # TESTS: test paths for the test steps (default: tests). Compiled kernels are cached under
 # gpu-results/ (ignored by git), so consecutive calls on a still-warm device reuse them.
 set -uo pipefail
@@ -36,8 +36,8 @@ for step in $steps; do
     bench) python3 -m flash_jvp bench --out "$out" 2>&1 | tee "$out/bench-log.txt" || status=1 ;;
     long) python3 benchmarks/long_context.py 2>&1 | tee "$out/long.txt" || status=1 ;;
     tune) python3 benchmarks/tune.py --out "$out/tune.json" 2>&1 | tee "$out/tune.txt" ;;
-    tangent) python3 benchmarks/tangent_bwd.py --out "$out" 2>&1 | tee "$out/tangent-bwd.txt" \
-               || status=1 ;;
+    tangent) python3 benchmarks/tangent_bwd.py --out "$out" ${TANGENT_ARGS:-} 2>&1 \
+               | tee "$out/tangent-bwd.txt" || status=1 ;;
     e2e) python3 -m benchmarks.e2e --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e-log.txt" \
            || status=1 ;;
     examples) for ex in meanflow scm; do

@@ -69,17 +69,17 @@ _BEST = {
         "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3, maxnreg=128),
         96: Config(64, 64, 4, 3), 128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2),
     },
-    # The backward through the tangent too (TANGENT): twice the accumulators (dk, dv, dk_t,
-    # dv_t; dq, dq_t) and twice the input tiles of the primal kernels. Picked without a GPU
-    # for fewest spills (scripts/compile_sm90.py --tangent, sm_90): bf16 E=64 and the dq
-    # kernel at 96 none; E=96/128 dK/dV 16/128 bytes, dq 32 at 128; E=256 and fp32 (ieee
-    # dots as FMA loops) spill kilobytes with every tile tried. Not timed: tune on a GPU.
+    # The TANGENT kernels (the backward through the tangent: dk, dv / dq of it, the tangents'
+    # gradients come from the primal kernels above): two accumulators (one in dq) like the
+    # primal ones but twice the input tiles (k, v, k_t, v_t; q, q_t, do, do_t). bf16 E <= 128
+    # timed on the H200 with benchmarks/tune.py (whole tangent backward, L=8192, results
+    # 2026-12-04-h200-tune-tangent-*); E=256 and fp32 picked for fewest spills, untimed.
     "bwd_dkdv+t": {
-        "fp32": Config(16, 16, 8, 1), 64: Config(32, 64, 8, 2), 96: Config(16, 64, 8, 2),
-        128: Config(16, 64, 8, 2), 256: Config(16, 64, 8, 1),
+        "fp32": Config(16, 16, 8, 1), 64: Config(64, 128, 8, 2), 96: Config(32, 64, 4, 2),
+        128: Config(32, 128, 8, 2), 256: Config(16, 64, 8, 1),
     },
     "bwd_dq+t": {
-        "fp32": Config(16, 16, 8, 1), 64: Config(128, 32, 8, 2), 96: Config(128, 32, 8, 2),
+        "fp32": Config(16, 16, 8, 1), 64: Config(64, 64, 4, 2), 96: Config(128, 64, 8, 2),
         128: Config(128, 32, 8, 2), 256: Config(32, 32, 8, 1),
     },
 }  # fmt: skip
