@@ -509,7 +509,12 @@ def attn_bwd_tangent(
     mask_t_grad = mask_t_grad and tangent_s  # dS_t never reaches dmask_t otherwise
     if grad_t or mask_t_grad:
         # dQ_t, dK_t, dV_t and dmask_t are the primal backward's dQ, dK, dV and dmask with
-        # dO := dO_t and delta := gamma (kernels/bwd.py): the primal kernels give them
+        # dO := dO_t and delta := gamma (kernels/bwd.py): the primal kernels give them. They
+        # write dk with dv and dq with dmask: scratch where only the other one is wanted
+        if dk_t4 is not None or dv_t4 is not None:
+            dk_t4, dv_t4 = (_scratch(x4, x, spec, lay.B) for x4, x in ((dk_t4, k), (dv_t4, v)))
+        if mask_t_grad:
+            dq_t4 = _scratch(dq_t4, q, spec, lay.B)
         _bwd_launches(common, masks, mask, lay, do_t4, gamma, dq_t4, dk_t4, dv_t4,
                       dmask_t if mask_t_grad else None)  # fmt: skip
     return (*grads, _cast(dmask, mask), _cast(dmask_t, mask))
@@ -528,15 +533,15 @@ def _bwd_launches(
     dmask: Tensor | None,
     **tangent_flags: bool,
 ) -> None:
-    """The dK/dV and dQ kernels: into dk4, dv4 (neither: not launched; one: the other into a
-    scratch buffer), dq4 (None: launched only for dmask) and dmask (float32 sums, or None).
+    """The dK/dV and dQ kernels: into dk4 and dv4 (None: not launched), dq4 (None: not
+    launched) and, with dq4, dmask (float32 sums, or None).
     ``args``: the arguments both share; ``masks``: _mask_args by keys and by query rows;
     ``tangent_flags``: TANGENT and the HAS_* of the tangents (default: the primal backward).
     """
     flags = dict(HAS_DO=do4 is not None, TANGENT=False, HAS_DO_T=False, HAS_Q_T=False,
                  HAS_K_T=False, HAS_V_T=False, HAS_MASK_T=False) | tangent_flags  # fmt: skip
     args = dict(args, DO=_or(do4, args["Q"]), DELTA=delta, **_strides(do4, "do"), **flags)
-    q4, k4, v4 = args["Q"], args["K"], args["V"]
+    q4 = args["Q"]
     tiles = {n: args[n] for n in ("HEAD_DIM", "HEAD_DIM_TAIL", "HEAD_DIM_V", "HEAD_DIM_V_TAIL")}
     tile, tangent = _tile_width(tiles), flags["TANGENT"]
     key = (tuple(tiles.values()), q4.dtype, args["VARLEN"], args["IS_CAUSAL"],
@@ -544,9 +549,7 @@ def _bwd_launches(
            tuple(flags.values()))  # fmt: skip
     dkdv_mask, dq_mask = ({"MASK": q4, "Q_RANGES": args["LSE"]} | masks[0],
                           {"MASK": q4, "KV_RANGES": args["LSE"]} | masks[1])  # fmt: skip
-    if dk4 is not None or dv4 is not None:
-        dk4 = dk4 if dk4 is not None else _empty(k4.shape, k4)
-        dv4 = dv4 if dv4 is not None else _empty(v4.shape, v4)
+    if dk4 is not None:
         for split in _mask_splits(mask):
             _launch(
                 attn_bwd_dkdv_kernel,
@@ -556,9 +559,8 @@ def _bwd_launches(
                 DK=dk4, DV_OUT=dv4, **_strides(dk4, "dk"), **_strides(dv4, "dv"),
                 H_KV=lay.H_KV, MASK_SPLIT=split, **dkdv_mask, **args,
             )  # fmt: skip
-    if dq4 is None and dmask is None:
+    if dq4 is None:
         return
-    dq4 = dq4 if dq4 is not None else _empty(q4.shape, q4)
     dmask_full = None if dmask is None else dmask.expand(lay.B, lay.H, lay.Lq, lay.Lk)
     for split in _mask_splits(mask):
         _launch(
@@ -570,6 +572,12 @@ def _bwd_launches(
             MASK_SPLIT=split, **_strides(dq4, "dq"), **_strides(dmask_full, "g"), **dq_mask,
             **args,
         )  # fmt: skip
+
+
+def _scratch(x4: Tensor | None, like: Tensor, spec: Spec, batch: int) -> Tensor:
+    """x4, or a buffer shaped like ``like`` viewed as the kernels index it (packed ones stay
+    (total, H, E) in memory) for a kernel output nobody reads."""
+    return x4 if x4 is not None else _view(_empty(like.shape, like), spec, batch)
 
 
 def _zeros_f32(mask: Tensor) -> Tensor:
