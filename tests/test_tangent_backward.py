@@ -188,36 +188,6 @@ def test_tangents_on_subsets(subset, path):
     assert {n for n in ours if n.endswith("_t")} == {f"d{n}_t" for n in subset}
 
 
-@needs_kernels
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_dq_sums_unless_deterministic(deterministic, monkeypatch):
-    """The tangent backward adds dq and dq_t into float32 sums from its dK/dV kernels (atomic
-    adds, no dQ kernel); under torch.use_deterministic_algorithms it runs the dQ kernels,
-    which sum in a fixed order. Both match float64 (GQA, causal, Lq != Lk)."""
-    launched = set()
-    launch = _ops._launch
-
-    def spy(kernel, *args, **kw):
-        launched.add((kernel.fn.__name__, kw.get("DQ_ATOMIC")))
-        return launch(kernel, *args, **kw)
-
-    monkeypatch.setattr(_ops, "_launch", spy)
-    q, k, v, tangents, do, do_t = _inputs(B=2)
-    before = torch.are_deterministic_algorithms_enabled()
-    before_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    try:
-        assert_tangent_grads(flash_jvp.attention, q, k, v, tangents, do, do_t, is_causal=True,
-                             enable_gqa=True)  # fmt: skip
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=before_warn)
-    backward = {launch for launch in launched if launch[0].startswith("attn_bwd")}
-    if deterministic:
-        assert backward == {("attn_bwd_dkdv_kernel", False), ("attn_bwd_dq_kernel", None)}
-    else:
-        assert backward == {("attn_bwd_dkdv_kernel", True)}
-
-
 @pytest.mark.parametrize("dtype", [torch.float16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", ["plain", "key_padding"])
 def test_tangent_backward_fp16(case, dtype, path):

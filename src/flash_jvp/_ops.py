@@ -501,15 +501,11 @@ def attn_bwd_tangent(
         _mask_args(mask, lay, mask_min, by_keys=True),
         _mask_args(mask, lay, mask_min, by_keys=False, grad=mask_grad or mask_t_grad),
     )
-    atomic = _atomic_dq(tangent)
-    sums = _dq_sums(dq, None) if atomic and dmask is None else None
     _bwd_launches(
-        common, masks, mask, lay, do4, delta, dq4, dk4, dv4, dmask, _view(sums, spec, lay.B),
-        TANGENT=tangent, HAS_DO_T=do_t is not None, HAS_Q_T=q_t4 is not None,
-        HAS_K_T=k_t4 is not None, HAS_V_T=v_t4 is not None, HAS_MASK_T=mask_t_full is not None,
+        common, masks, mask, lay, do4, delta, dq4, dk4, dv4, dmask, TANGENT=tangent,
+        HAS_DO_T=do_t is not None, HAS_Q_T=q_t4 is not None, HAS_K_T=k_t4 is not None,
+        HAS_V_T=v_t4 is not None, HAS_MASK_T=mask_t_full is not None,
     )  # fmt: skip
-    if sums is not None and sums is not dq:
-        dq.copy_(sums)
     mask_t_grad = mask_t_grad and tangent_s  # dS_t never reaches dmask_t otherwise
     if grad_t or mask_t_grad:
         # dQ_t, dK_t, dV_t and dmask_t are the primal backward's dQ, dK, dV and dmask with
@@ -519,31 +515,9 @@ def attn_bwd_tangent(
             dk_t4, dv_t4 = (_scratch(x4, x, spec, lay.B) for x4, x in ((dk_t4, k), (dv_t4, v)))
         if mask_t_grad:
             dq_t4 = _scratch(dq_t4, q, spec, lay.B)
-        both = dk_t4 is not None and dq_t is not None and not mask_t_grad
-        sums_t = _dq_sums(dq_t, sums) if atomic and both else None
         _bwd_launches(common, masks, mask, lay, do_t4, gamma, dq_t4, dk_t4, dv_t4,
-                      dmask_t if mask_t_grad else None, _view(sums_t, spec, lay.B))  # fmt: skip
-        if sums_t is not None and sums_t is not dq_t:
-            dq_t.copy_(sums_t)
+                      dmask_t if mask_t_grad else None)  # fmt: skip
     return (*grads, _cast(dmask, mask), _cast(dmask_t, mask))
-
-
-def _atomic_dq(tangent: bool) -> bool:
-    """Whether the dK/dV kernels add dq into float32 sums with atomics (DQ_ATOMIC) instead of
-    a dQ kernel: in the tangent backward, where a dQ kernel would recompute 8 of the TANGENT
-    dK/dV kernel's 10 GEMMs per tile, unless torch.use_deterministic_algorithms asks for a
-    fixed summation order."""
-    return tangent and not torch.are_deterministic_algorithms_enabled()
-
-
-def _dq_sums(dq: Tensor, spare: Tensor | None) -> Tensor:
-    """A zeroed float32 tensor shaped like dq for the dK/dV kernel to add dq into (DQ_ATOMIC):
-    dq itself in float32, else ``spare`` (an earlier one, done with) or a new one."""
-    if dq.dtype == torch.float32:
-        return dq.zero_()
-    if spare is not None:  # the same shape: dq_t is shaped like dq
-        return spare.zero_()
-    return torch.zeros(dq.shape, device=dq.device, dtype=torch.float32)
 
 
 def _bwd_launches(
@@ -557,13 +531,10 @@ def _bwd_launches(
     dk4: Tensor | None,
     dv4: Tensor | None,
     dmask: Tensor | None,
-    sums4: Tensor | None = None,
     **tangent_flags: bool,
 ) -> None:
     """The dK/dV and dQ kernels: into dk4 and dv4 (None: not launched), dq4 (None: not
-    launched) and, with dq4, dmask (float32 sums, or None). With ``sums4`` (float32,
-    zeroed, viewed like dq4; needs dk4) the dK/dV kernel adds dq into it and the dQ kernel
-    is not launched.
+    launched) and, with dq4, dmask (float32 sums, or None).
     ``args``: the arguments both share; ``masks``: _mask_args by keys and by query rows;
     ``tangent_flags``: TANGENT and the HAS_* of the tangents (default: the primal backward).
     """
@@ -578,19 +549,17 @@ def _bwd_launches(
            tuple(flags.values()))  # fmt: skip
     dkdv_mask, dq_mask = ({"MASK": q4, "Q_RANGES": args["LSE"]} | masks[0],
                           {"MASK": q4, "KV_RANGES": args["LSE"]} | masks[1])  # fmt: skip
-    atomic = sums4 is not None
     if dk4 is not None:
         for split in _mask_splits(mask):
             _launch(
                 attn_bwd_dkdv_kernel,
                 lambda c: (_cdiv(lay.Lk, c.BLOCK_N), lay.B * lay.H_KV),
                 configs.bwd_dkdv(tile, q4.dtype, tangent),
-                ("dkdv", split, atomic) + key,
-                DK=dk4, DV_OUT=dv4, DQ=_or(sums4, args["LSE"]), **_strides(dk4, "dk"),
-                **_strides(dv4, "dv"), **_strides(sums4, "dq"), H_KV=lay.H_KV,
-                MASK_SPLIT=split, DQ_ATOMIC=atomic, **dkdv_mask, **args,
+                ("dkdv", split) + key,
+                DK=dk4, DV_OUT=dv4, **_strides(dk4, "dk"), **_strides(dv4, "dv"),
+                H_KV=lay.H_KV, MASK_SPLIT=split, **dkdv_mask, **args,
             )  # fmt: skip
-    if dq4 is None or atomic:
+    if dq4 is None:
         return
     dmask_full = None if dmask is None else dmask.expand(lay.B, lay.H, lay.Lq, lay.Lk)
     for split in _mask_splits(mask):

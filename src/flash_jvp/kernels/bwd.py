@@ -48,7 +48,6 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
-    add_split,
     aligned,
     apply_mask,
     block_range,
@@ -212,7 +211,6 @@ def _attn_bwd_dkdv_inner(
     do_t_base,
     mask_base,
     mask_t_base,
-    dq_base,
     LSE,
     DELTA,
     GAMMA,
@@ -230,8 +228,6 @@ def _attn_bwd_dkdv_inner(
     stride_mn,
     stride_mtm,
     stride_mtn,
-    stride_dqm,
-    stride_dqd,
     lo,
     hi,
     Lq,
@@ -258,7 +254,6 @@ def _attn_bwd_dkdv_inner(
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # Everything here is transposed ([BLOCK_N, BLOCK_M]: keys x query rows, names ending in
@@ -329,19 +324,6 @@ def _attn_bwd_dkdv_inner(
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         if HEAD_DIM_TAIL > 0:
             dk2 = tl.dot(dsT.to(q.dtype), q2, dk2, input_precision=DOT_PRECISION)
-        if DQ_ATOMIC:  # this query block's share of dQ = scale (dS K [+ dS_t K_t])
-            ds = tl.trans(dsT.to(k.dtype))
-            dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
-            dq2 = dq  # the tail columns' (unused without HEAD_DIM_TAIL)
-            if HEAD_DIM_TAIL > 0:
-                dq2 = tl.dot(ds, k2, input_precision=DOT_PRECISION)
-            if TANGENT_S and HAS_K_T:
-                ds_t = tl.trans(ds_tT.to(k.dtype))
-                dq = tl.dot(ds_t, k_t, dq, input_precision=DOT_PRECISION)
-                if HEAD_DIM_TAIL > 0:
-                    dq2 = tl.dot(ds_t, k_t2, dq2, input_precision=DOT_PRECISION)
-            add_split(dq_base, dq * scale, dq2 * scale, offs_m, stride_dqm, stride_dqd, Lq, D,
-                      HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
     return dk, dk2, dv, dv2
 
 
@@ -355,7 +337,6 @@ def attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV_OUT,
-    DQ,
     MASK,
     Q_RANGES,
     CU_SEQLENS_Q,
@@ -391,10 +372,6 @@ def attn_bwd_dkdv_kernel(
     stride_dvh,
     stride_dvn,
     stride_dvd,
-    stride_dqb,
-    stride_dqh,
-    stride_dqm,
-    stride_dqd,
     stride_mb,
     stride_mh,
     stride_mm,
@@ -453,14 +430,10 @@ def attn_bwd_dkdv_kernel(
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
 ):
     """dk, dv for one [BLOCK_N] key block of one kv head. Grid: (cdiv(Lk, BLOCK_N), B * H_KV).
-
-    DQ_ATOMIC: dq as well, added into DQ (float32, zeroed, strides stride_dq*) tile by tile
-    with atomic adds, instead of the dQ kernel recomputing P, dP (and S_t) per tile.
 
     TANGENT: the backward through the tangent too (module docstring); Q_T..MASK_T are the
     forward's tangents (HAS_*), DO_T the cotangent of o_t (HAS_DO_T), GAMMA and MU per-row
@@ -532,7 +505,6 @@ def attn_bwd_dkdv_kernel(
         do_t_base = DO_T + off_b * stride_dtb + off_h * stride_dth + q_start * stride_dtm
         mask_base = MASK + off_b * stride_mb + off_h * stride_mh
         mask_t_base = MASK_T + off_b * stride_mtb + off_h * stride_mth
-        dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
         r_lo, r_hi, q_bound, _ = block_range(Q_RANGES, stride_rb, stride_rh, stride_rg, off_b,
                                              off_h, start_n, Lk, Lq, BLOCK_N, BLOCK_M, MASK_KIND,
                                              MASK_SPLIT)  # fmt: skip
@@ -547,14 +519,13 @@ def attn_bwd_dkdv_kernel(
                 )
                 dk, dk2, dv, dv2 = _attn_bwd_dkdv_inner(
                     dk, dk2, dv, dv2, k, k2, v, v2, k_t, k_t2, v_t, v_t2, offs_n, q_base, do_base,
-                    q_t_base, do_t_base, mask_base, mask_t_base, dq_base, LSE, DELTA, GAMMA, MU,
-                    row_base, stride_qm, stride_qd, stride_dom, stride_dod, stride_qtm,
-                    stride_qtd, stride_dtm, stride_dtd, stride_mm, stride_mn, stride_mtm,
-                    stride_mtn, stride_dqm, stride_dqd, s_lo, s_hi, q_bound, Lk, causal_offset,
-                    qk_scale, scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
-                    HEAD_DIM_V_TAIL, BLOCK_M, stage == 0, LOOP_MASK_KIND, MASK_SAME_ROWS,
-                    MASK_SAME_COLS, HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T, HAS_V_T,
-                    HAS_MASK_T, DQ_ATOMIC, DOT_PRECISION,
+                    q_t_base, do_t_base, mask_base, mask_t_base, LSE, DELTA, GAMMA, MU, row_base,
+                    stride_qm, stride_qd, stride_dom, stride_dod, stride_qtm, stride_qtd,
+                    stride_dtm, stride_dtd, stride_mm, stride_mn, stride_mtm, stride_mtn, s_lo,
+                    s_hi, q_bound, Lk, causal_offset, qk_scale, scale, mask_min, D, DV, HEAD_DIM,
+                    HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_M, stage == 0, LOOP_MASK_KIND,
+                    MASK_SAME_ROWS, MASK_SAME_COLS, HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T,
+                    HAS_V_T, HAS_MASK_T, DOT_PRECISION,
                 )  # fmt: skip
 
     dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn

@@ -141,35 +141,6 @@ def store_split(
 
 
 @triton.jit
-def add_tile(base, x, offs_r, offs_c, stride_r, stride_c, n_rows, N_COLS: tl.constexpr):
-    """Atomically add x into base's rows offs_r < n_rows, columns offs_c < N_COLS (relaxed:
-    the sum is read only after the kernel)."""
-    ptrs = base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c
-    keep = (offs_r[:, None] < n_rows) & (offs_c[None, :] < N_COLS)
-    tl.atomic_add(ptrs, x, mask=keep, sem="relaxed")
-
-
-@triton.jit
-def add_split(
-    base,
-    a,
-    b,
-    offs_r,
-    stride_r,
-    stride_c,
-    n_rows,
-    N_COLS: tl.constexpr,
-    HEAD: tl.constexpr,
-    TAIL: tl.constexpr,
-):
-    """add_tile for a tile held as two column tiles (see load_split)."""
-    add_tile(base, a, offs_r, tl.arange(0, HEAD), stride_r, stride_c, n_rows, N_COLS)
-    if TAIL > 0:
-        add_tile(base + HEAD * stride_c, b, offs_r, tl.arange(0, TAIL), stride_r, stride_c,
-                 n_rows, N_COLS - HEAD)  # fmt: skip
-
-
-@triton.jit
 def dot_split(a, a2, b, b2, acc, TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """a @ b^T (+ acc) where the contraction dim is held as two column tiles (load_split)."""
     acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
