@@ -79,10 +79,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 _STRIDE_NAMES = {
     prefix: tuple(f"stride_{prefix}{n}" for n in names)
     for names, prefixes in (
-        (("b", "h", "m", "n"), ("m", "mt", "g")),  # masks: (b, h, query row, key)
+        (("b", "h", "m", "n"), ("m", "mt", "g", "gt")),  # masks: (b, h, query row, key)
         (("b", "h", "g"), ("r",)),  # tile-range tables: (b, h, group)
         # dt: dO_t, the cotangent of o_t
-        (("b", "h", "m", "d"), ("q", "o", "qt", "ot", "do", "dq", "dt")),
+        (("b", "h", "m", "d"), ("q", "o", "qt", "ot", "do", "dq", "dt", "dqt")),
         (("b", "h", "n", "d"), ("k", "v", "kt", "vt", "dk", "dv")),
     )
     for prefix in prefixes
@@ -436,7 +436,6 @@ def attn_bwd_tangent(
         raise ValueError("flash_jvp: the tangent backward needs mu, the forward's lse tangent")
     if tangent and do_t is not None and o_t is None:
         raise ValueError("flash_jvp: the tangent backward needs o_t with do_t")
-    grad_t = tangent and tangent_grads
     dq, dk, dv = _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
     given = tangent_bwd_outputs(q_t, k_t, v_t, mask_t, do_t, dmu, mask_grad, mask_t_grad,
                                 tangent_grads)  # fmt: skip
@@ -501,22 +500,21 @@ def attn_bwd_tangent(
         _mask_args(mask, lay, mask_min, by_keys=True),
         _mask_args(mask, lay, mask_min, by_keys=False, grad=mask_grad or mask_t_grad),
     )
+    # dS_t reaches dmask_t only with a tangent of the scores; the TANGENT dQ kernel gives
+    # dq_t and dmask_t beside dq (kernels/bwd.py)
+    mask_t_grad = mask_t_grad and tangent_s
     _bwd_launches(
         common, masks, mask, lay, do4, delta, dq4, dk4, dv4, dmask, TANGENT=tangent,
         HAS_DO_T=do_t is not None, HAS_Q_T=q_t4 is not None, HAS_K_T=k_t4 is not None,
         HAS_V_T=v_t4 is not None, HAS_MASK_T=mask_t_full is not None,
+        tangent_out=dict(dq_t4=dq_t4, dmask_t=dmask_t if mask_t_grad else None),
     )  # fmt: skip
-    mask_t_grad = mask_t_grad and tangent_s  # dS_t never reaches dmask_t otherwise
-    if grad_t or mask_t_grad:
-        # dQ_t, dK_t, dV_t and dmask_t are the primal backward's dQ, dK, dV and dmask with
-        # dO := dO_t and delta := gamma (kernels/bwd.py): the primal kernels give them. They
-        # write dk with dv and dq with dmask: scratch where only the other one is wanted
-        if dk_t4 is not None or dv_t4 is not None:
-            dk_t4, dv_t4 = (_scratch(x4, x, spec, lay.B) for x4, x in ((dk_t4, k), (dv_t4, v)))
-        if mask_t_grad:
-            dq_t4 = _scratch(dq_t4, q, spec, lay.B)
-        _bwd_launches(common, masks, mask, lay, do_t4, gamma, dq_t4, dk_t4, dv_t4,
-                      dmask_t if mask_t_grad else None)  # fmt: skip
+    if dk_t4 is not None or dv_t4 is not None:
+        # dK_t and dV_t are the primal backward's dK and dV with dO := dO_t and delta :=
+        # gamma: the primal dK/dV kernel gives them. It writes dk with dv: scratch where only
+        # one of them is wanted
+        dk_t4, dv_t4 = (_scratch(x4, x, spec, lay.B) for x4, x in ((dk_t4, k), (dv_t4, v)))
+        _bwd_launches(common, masks, mask, lay, do_t4, gamma, None, dk_t4, dv_t4, None)
     return (*grads, _cast(dmask, mask), _cast(dmask_t, mask))
 
 
@@ -531,12 +529,14 @@ def _bwd_launches(
     dk4: Tensor | None,
     dv4: Tensor | None,
     dmask: Tensor | None,
+    tangent_out: dict | None = None,
     **tangent_flags: bool,
 ) -> None:
     """The dK/dV and dQ kernels: into dk4 and dv4 (None: not launched), dq4 (None: not
     launched) and, with dq4, dmask (float32 sums, or None).
     ``args``: the arguments both share; ``masks``: _mask_args by keys and by query rows;
-    ``tangent_flags``: TANGENT and the HAS_* of the tangents (default: the primal backward).
+    ``tangent_flags``: TANGENT and the HAS_* of the tangents (default: the primal backward);
+    ``tangent_out``: with TANGENT, the dQ kernel's dq_t4 and dmask_t (each None: not wanted).
     """
     flags = dict(HAS_DO=do4 is not None, TANGENT=False, HAS_DO_T=False, HAS_Q_T=False,
                  HAS_K_T=False, HAS_V_T=False, HAS_MASK_T=False) | tangent_flags  # fmt: skip
@@ -561,16 +561,23 @@ def _bwd_launches(
             )  # fmt: skip
     if dq4 is None:
         return
-    dmask_full = None if dmask is None else dmask.expand(lay.B, lay.H, lay.Lq, lay.Lk)
+    out = tangent_out or {}
+    dq_t4 = out.get("dq_t4")
+    dmask_full, dmask_t_full = (
+        None if m is None else m.expand(lay.B, lay.H, lay.Lq, lay.Lk)
+        for m in (dmask, out.get("dmask_t"))
+    )
     for split in _mask_splits(mask):
         _launch(
             attn_bwd_dq_kernel,
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
             configs.bwd_dq(tile, q4.dtype, tangent),
-            ("dq", dmask is not None, split) + key,
+            ("dq", dmask is not None, dq_t4 is not None, dmask_t_full is not None, split) + key,
             DQ=dq4, DMASK=_or(dmask_full, args["LSE"]), MASK_GRAD=dmask is not None,
-            MASK_SPLIT=split, **_strides(dq4, "dq"), **_strides(dmask_full, "g"), **dq_mask,
-            **args,
+            DQ_T=_or(dq_t4, dq4), DMASK_T=_or(dmask_t_full, args["LSE"]),
+            GRAD_T=dq_t4 is not None, MASK_T_GRAD=dmask_t_full is not None,
+            MASK_SPLIT=split, **_strides(dq4, "dq"), **_strides(dq_t4, "dqt"),
+            **_strides(dmask_full, "g"), **_strides(dmask_t_full, "gt"), **dq_mask, **args,
         )  # fmt: skip
 
 

@@ -21,15 +21,17 @@ and per tile
     dV  += P^T dO + P_t^T G,            dV_t += P^T G,
 
 (reference.attention_tangent_bwd has the derivation; checked against float64 autograd).
-dQ_t, dK_t, dV_t (and the mask tangent's gradient, dS_t) are the primal backward's dQ, dK,
-dV (dmask) with dO := G and delta := gamma, so _ops runs the primal kernels for them; the
-TANGENT kernels compute dQ, dK, dV only. Fused, the dK/dV kernel held four accumulators and
-four key-side tiles (k, v, k_t, v_t) and ran at a fifth of the primal's efficiency on the
-H200 (benchmarks/NOTES.md); split, it does 10 GEMMs per tile (the dQ kernel 8) and the
-primal kernels 4 and 3 more. Every per-row statistic is O(L) (mu stored by the forward:
-recomputing it would need another pass over the keys, 3 GEMMs per tile). Missing tangents
-and cotangents are compile-time switches, so the primal backward compiles exactly as without
-them.
+dK_t and dV_t are the primal backward's dK and dV with dO := G and delta := gamma, so _ops
+runs the primal dK/dV kernel for them; dQ_t (dS_t K) and the mask tangent's gradient (dS_t)
+come from the TANGENT dQ kernel, which has dS_t already (one more GEMM per tile; the primal
+dQ kernel would recompute P and G V^T for them, three). Fused, the dK/dV kernel held four
+accumulators and four key-side tiles (k, v, k_t, v_t) and ran at a fifth of the primal's
+efficiency on the H200 (benchmarks/NOTES.md); split, it does 10 GEMMs per tile, the dQ
+kernel 9 and the primal dK/dV kernel 4 more. Summing dQ with atomic adds in the dK/dV
+kernels instead of a dQ kernel measured slower there (NOTES, 2026-12-04). Every per-row
+statistic is O(L) (mu stored by the forward: recomputing it would need another pass over
+the keys, 3 GEMMs per tile). Missing tangents and cotangents are compile-time switches, so
+the primal backward compiles exactly as without them.
 
 `attn_bwd_dkdv_kernel` owns one key block and walks the query blocks of every query head of
 its group (so GQA sums dK/dV over the group without atomics); `attn_bwd_dq_kernel` owns one
@@ -567,6 +569,8 @@ def _add_mask_grad(
 def _attn_bwd_dq_inner(
     dq,
     dq2,
+    dq_t,
+    dq_t2,
     q,
     q2,
     q_t,
@@ -587,6 +591,7 @@ def _attn_bwd_dq_inner(
     mask_base,
     mask_t_base,
     dmask_base,
+    dmask_t_base,
     stride_kn,
     stride_kd,
     stride_vn,
@@ -601,6 +606,8 @@ def _attn_bwd_dq_inner(
     stride_mtn,
     stride_gm,
     stride_gn,
+    stride_gtm,
+    stride_gtn,
     lo,
     hi,
     Lq,
@@ -629,6 +636,8 @@ def _attn_bwd_dq_inner(
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
+    GRAD_T: tl.constexpr,
+    MASK_T_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     TANGENT_S: tl.constexpr = TANGENT and (HAS_Q_T or HAS_K_T or HAS_MASK_T)
@@ -676,17 +685,24 @@ def _attn_bwd_dq_inner(
             else:  # only mu's cotangent (gamma = -dmu)
                 ds_t = p * (-gamma[:, None])
             ds += ds_t * (s_t - mu[:, None])
+            if MASK_T_GRAD:  # d loss / d (the additive mask's tangent) = dS_t
+                _add_mask_grad(dmask_t_base, ds_t, offs_m, offs_n, stride_gtm, stride_gtn, Lq,
+                               Lk, MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
             if HAS_K_T:  # dQ += dS_t K_t
                 dq = tl.dot(ds_t.to(k.dtype), k_t, dq, input_precision=DOT_PRECISION)
                 if HEAD_DIM_TAIL > 0:
                     dq2 = tl.dot(ds_t.to(k.dtype), k_t2, dq2, input_precision=DOT_PRECISION)
+            if HAS_Q_T and GRAD_T:  # dQ_t += dS_t K
+                dq_t = tl.dot(ds_t.to(k.dtype), k, dq_t, input_precision=DOT_PRECISION)
+                if HEAD_DIM_TAIL > 0:
+                    dq_t2 = tl.dot(ds_t.to(k.dtype), k2, dq_t2, input_precision=DOT_PRECISION)
         if MASK_GRAD:  # d loss / d (additive mask) = dS
             _add_mask_grad(dmask_base, ds, offs_m, offs_n, stride_gm, stride_gn, Lq, Lk,
                            MASK_SAME_ROWS, MASK_SAME_COLS)  # fmt: skip
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         if HEAD_DIM_TAIL > 0:
             dq2 = tl.dot(ds.to(k.dtype), k2, dq2, input_precision=DOT_PRECISION)
-    return dq, dq2
+    return dq, dq2, dq_t, dq_t2
 
 
 @triton.jit
@@ -701,6 +717,8 @@ def attn_bwd_dq_kernel(
     MASK,
     DMASK,
     KV_RANGES,
+    DQ_T,
+    DMASK_T,
     CU_SEQLENS_Q,
     CU_SEQLENS_K,
     Q_T,
@@ -730,6 +748,10 @@ def attn_bwd_dq_kernel(
     stride_dqh,
     stride_dqm,
     stride_dqd,
+    stride_dqtb,
+    stride_dqth,
+    stride_dqtm,
+    stride_dqtd,
     stride_mb,
     stride_mh,
     stride_mm,
@@ -738,6 +760,10 @@ def attn_bwd_dq_kernel(
     stride_gh,
     stride_gm,
     stride_gn,
+    stride_gtb,
+    stride_gth,
+    stride_gtm,
+    stride_gtn,
     stride_rb,
     stride_rh,
     stride_rg,
@@ -792,17 +818,22 @@ def attn_bwd_dq_kernel(
     HAS_K_T: tl.constexpr,
     HAS_V_T: tl.constexpr,
     HAS_MASK_T: tl.constexpr,
+    GRAD_T: tl.constexpr,
+    MASK_T_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
 ):
     """dq (and with MASK_GRAD the additive mask's gradient) for one [BLOCK_M] query block.
 
     Grid: (cdiv(Lq, BLOCK_M), B * H). DMASK: float32, zeroed, broadcast like MASK
-    (stride_g*). Tangent arguments as in attn_bwd_dkdv_kernel.
+    (stride_g*). Tangent arguments as in attn_bwd_dkdv_kernel. With TANGENT, also DQ_T =
+    dq_t (GRAD_T, where HAS_Q_T; strides stride_dqt*) and DMASK_T, the mask tangent's
+    gradient (MASK_T_GRAD; like DMASK, strides stride_gt*): one more GEMM per tile, where
+    the primal kernel with dO := dO_t would recompute P and dO_t V^T for them.
     """
     stride_qm, stride_dom = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_dom, STRIDE_ALIGN)
     stride_kn, stride_vn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_vn, STRIDE_ALIGN)
-    stride_dqm = aligned(stride_dqm, STRIDE_ALIGN)
+    stride_dqm, stride_dqtm = aligned(stride_dqm, STRIDE_ALIGN), aligned(stride_dqtm, STRIDE_ALIGN)
     stride_qtm, stride_dtm = aligned(stride_qtm, STRIDE_ALIGN), aligned(stride_dtm, STRIDE_ALIGN)
     stride_ktn, stride_vtn = aligned(stride_ktn, STRIDE_ALIGN), aligned(stride_vtn, STRIDE_ALIGN)
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND  # see fwd.py
@@ -842,10 +873,16 @@ def attn_bwd_dq_kernel(
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh
     mask_t_base = MASK_T + off_b * stride_mtb + off_h * stride_mth
     dmask_base = DMASK + off_b * stride_gb + off_h * stride_gh
+    dmask_t_base = DMASK_T + off_b * stride_gtb + off_h * stride_gth
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq2 = dq  # the tail columns' (unused without HEAD_DIM_TAIL)
     if HEAD_DIM_TAIL > 0:
         dq2 = tl.zeros([BLOCK_M, HEAD_DIM_TAIL], dtype=tl.float32)
+    dq_t, dq_t2 = dq, dq2  # q_t's gradient (unused without it)
+    if TANGENT and GRAD_T and HAS_Q_T:
+        dq_t = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if HEAD_DIM_TAIL > 0:
+            dq_t2 = tl.zeros([BLOCK_M, HEAD_DIM_TAIL], dtype=tl.float32)
     qk_scale = scale * LOG2E
 
     lo, hi, k_bound, run = block_range(
@@ -858,18 +895,23 @@ def attn_bwd_dq_kernel(
     for stage in tl.static_range(2):  # unmasked key blocks first
         s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
         s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
-        dq, dq2 = _attn_bwd_dq_inner(
-            dq, dq2, q, q2, q_t, q_t2, do, do2, g, g2, lse, delta, gamma, mu, offs_m, k_base,
-            v_base, k_t_base, v_t_base, mask_base, mask_t_base, dmask_base, stride_kn, stride_kd,
-            stride_vn, stride_vd, stride_ktn, stride_ktd, stride_vtn, stride_vtd, stride_mm,
-            stride_mn, stride_mtm, stride_mtn, stride_gm, stride_gn, s_lo, s_hi, Lq, k_bound,
-            causal_offset, qk_scale, scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
-            HEAD_DIM_V_TAIL, BLOCK_N, stage == 1, IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS,
-            MASK_SAME_COLS, MASK_GRAD, HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T, HAS_V_T,
-            HAS_MASK_T, DOT_PRECISION,
+        dq, dq2, dq_t, dq_t2 = _attn_bwd_dq_inner(
+            dq, dq2, dq_t, dq_t2, q, q2, q_t, q_t2, do, do2, g, g2, lse, delta, gamma, mu,
+            offs_m, k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base, dmask_base,
+            dmask_t_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_ktn, stride_ktd,
+            stride_vtn, stride_vtd, stride_mm, stride_mn, stride_mtm, stride_mtn, stride_gm,
+            stride_gn, stride_gtm, stride_gtn, s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale,
+            scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_N,
+            stage == 1, IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD,
+            HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, GRAD_T,
+            MASK_T_GRAD, DOT_PRECISION,
         )  # fmt: skip
 
     dq_ty = DQ.dtype.element_ty
     store_split(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm,
                 (dq * scale).to(dq_ty), (dq2 * scale).to(dq_ty), offs_m, stride_dqm, stride_dqd,
                 Lq, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
+    if TANGENT and GRAD_T and HAS_Q_T:
+        store_split(DQ_T + off_b * stride_dqtb + off_h * stride_dqth + q_start * stride_dqtm,
+                    (dq_t * scale).to(dq_ty), (dq_t2 * scale).to(dq_ty), offs_m, stride_dqtm,
+                    stride_dqtd, Lq, D, HEAD_DIM, HEAD_DIM_TAIL)  # fmt: skip
