@@ -25,7 +25,7 @@ one call above what was allocated before it (``flash_jvp.bench._measure``): for 
 rows the forward's saved state is already there, for the step rows only the inputs. Every
 row runs in its own try/except (a failure is recorded, the run goes on). FLOP convention
 (TFLOP/s columns): fwd = 4 B H L^2 E; bwd = 2.5 fwd (5 GEMMs); the tangent backward = 3 x
-bwd = 7.5 fwd (15 GEMMs; our kernels do 25, recomputing S, S_t and dO_t V^T, see
+bwd = 7.5 fwd (15 GEMMs; our kernels do 23, recomputing S, S_t and dO_t V^T, see
 kernels/bwd.py); the TVM step = fwd+JVP (3 fwd) + tangent bwd = 10.5 fwd; fwd+bwd = 3.5 fwd;
 halved when causal.
 Writes ``<date>-<gpu>-tangent-bwd.{json,md}`` under --out with date, GPU and versions.

@@ -4,12 +4,12 @@ heads (2 B H L^2 E), so "7.0" means seven GEMM-sized passes over the score matri
 
     TRITON_INTERPRET=1 python benchmarks/tangent_flops.py
 
-What it shows: the backward through (o, o_t) (issue #18) issues 25 units against the primal
+What it shows: the backward through (o, o_t) (issue #18) issues 23 units against the primal
 backward's 7 (21 when one kernel pair also gave the tangents' gradients, 3.0x: the time
-target's "equal efficiency"; split, see kernels/bwd.py), the double backward's part 15 (+ a
-fwd+JVP pass, 6), and what storing mu in the forward saves: recomputing it in the backward
-would need S and S_t again in a pass of its own, 3 units (+14 %), against 4 bytes per query
-row and head stored.
+target's "equal efficiency"; dK_t, dV_t now run through the primal dK/dV kernel, see
+kernels/bwd.py), the double backward's part 15 (+ a fwd+JVP pass, 6), and what storing mu in
+the forward saves: recomputing it in the backward would need S and S_t again in a pass of its
+own, 3 units (+14 %), against 4 bytes per query row and head stored.
 """
 
 from __future__ import annotations

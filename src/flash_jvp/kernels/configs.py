@@ -69,10 +69,10 @@ _BEST = {
         "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3, maxnreg=128),
         96: Config(64, 64, 4, 3), 128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2),
     },
-    # The TANGENT kernels (the backward through the tangent: dk, dv / dq of it, the tangents'
-    # gradients come from the primal kernels above): two accumulators (one in dq) like the
-    # primal ones but twice the input tiles (k, v, k_t, v_t; q, q_t, do, do_t). bf16 E <= 128
-    # timed on the H200 with benchmarks/tune.py (whole tangent backward, L=8192, results
+    # The TANGENT kernels (the backward through the tangent: dk, dv / dq and dq_t of it; dk_t
+    # and dv_t come from the primal dK/dV kernel above): two accumulators each, twice the
+    # primal kernels' input tiles (k, v, k_t, v_t; q, q_t, do, do_t). bf16 E <= 128 timed on
+    # the H200 with benchmarks/tune.py (whole tangent backward, L=8192, results
     # 2026-12-04-h200-tune-tangent-*); E=256 and fp32 picked for fewest spills, untimed.
     "bwd_dkdv+t": {
         "fp32": Config(16, 16, 8, 1), 64: Config(64, 128, 8, 2), 96: Config(32, 64, 4, 2),
