@@ -507,7 +507,7 @@ def attn_bwd_tangent(
         common, masks, mask, lay, do4, delta, dq4, dk4, dv4, dmask, TANGENT=tangent,
         HAS_DO_T=do_t is not None, HAS_Q_T=q_t4 is not None, HAS_K_T=k_t4 is not None,
         HAS_V_T=v_t4 is not None, HAS_MASK_T=mask_t_full is not None,
-        tangent_out=dict(dq_t4=dq_t4, dmask_t=dmask_t if mask_t_grad else None),
+        dq_t4=dq_t4, dmask_t=dmask_t if mask_t_grad else None,
     )  # fmt: skip
     if dk_t4 is not None or dv_t4 is not None:
         # dK_t and dV_t are the primal backward's dK and dV with dO := dO_t and delta :=
@@ -529,14 +529,16 @@ def _bwd_launches(
     dk4: Tensor | None,
     dv4: Tensor | None,
     dmask: Tensor | None,
-    tangent_out: dict | None = None,
+    dq_t4: Tensor | None = None,
+    dmask_t: Tensor | None = None,
     **tangent_flags: bool,
 ) -> None:
     """The dK/dV and dQ kernels: into dk4 and dv4 (None: not launched), dq4 (None: not
     launched) and, with dq4, dmask (float32 sums, or None).
     ``args``: the arguments both share; ``masks``: _mask_args by keys and by query rows;
     ``tangent_flags``: TANGENT and the HAS_* of the tangents (default: the primal backward);
-    ``tangent_out``: with TANGENT, the dQ kernel's dq_t4 and dmask_t (each None: not wanted).
+    ``dq_t4``, ``dmask_t``: with TANGENT, the dQ kernel's q_t and mask_t gradients too (None:
+    not wanted).
     """
     flags = dict(HAS_DO=do4 is not None, TANGENT=False, HAS_DO_T=False, HAS_Q_T=False,
                  HAS_K_T=False, HAS_V_T=False, HAS_MASK_T=False) | tangent_flags  # fmt: skip
@@ -561,11 +563,8 @@ def _bwd_launches(
             )  # fmt: skip
     if dq4 is None:
         return
-    out = tangent_out or {}
-    dq_t4 = out.get("dq_t4")
     dmask_full, dmask_t_full = (
-        None if m is None else m.expand(lay.B, lay.H, lay.Lq, lay.Lk)
-        for m in (dmask, out.get("dmask_t"))
+        None if m is None else m.expand(lay.B, lay.H, lay.Lq, lay.Lk) for m in (dmask, dmask_t)
     )
     for split in _mask_splits(mask):
         _launch(
