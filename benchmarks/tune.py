@@ -104,7 +104,7 @@ def time_config(kind, cfg, shape, case, compile_only=False):
         return [cfg] if tangent == tangent_kind else configured(width, dtype, tangent, *more)
 
     setattr(configs, name, only_this)
-    _ops._CHOSEN.clear()
+    _ops.forget_configs()
     try:
         if kind in ("fwd", "jvp"):
             tangents = (qt, kt, vt) if kind == "jvp" else (None, None, None)
@@ -124,7 +124,7 @@ def time_config(kind, cfg, shape, case, compile_only=False):
         return f"{type(err).__name__}: {str(err)[:100]}"
     finally:
         setattr(configs, name, configured)
-        _ops._CHOSEN.clear()
+        _ops.forget_configs()
 
 
 def _compile(job):

@@ -11,7 +11,7 @@ import torch
 from helpers import CUDA, DEVICE
 
 import flash_jvp
-from flash_jvp import _ops, _utils
+from flash_jvp import _plans, _utils
 
 # Fresh inputs every session; FLASH_JVP_SEED=<n> replays one.
 SEED = int(os.environ.get("FLASH_JVP_SEED", random.randrange(2**31)))
@@ -43,13 +43,15 @@ def device() -> str:
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
-    """Every buffer flash_jvp allocates starts as NaN, so an unwritten element cannot pass."""
-    real = _ops._empty
+    """Every floating-point buffer flash_jvp allocates starts as NaN (replayed launch plans
+    included), so an unwritten element cannot pass."""
+    real = _plans.allocate
 
-    def nan_empty(shape, like, dtype=None):
-        return real(shape, like, dtype).fill_(float("nan"))
+    def nan_empty(shape, device, dtype):
+        t = real(shape, device, dtype)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    monkeypatch.setattr(_ops, "_empty", nan_empty)
+    monkeypatch.setattr(_plans, "allocate", nan_empty)
 
 
 @pytest.fixture(autouse=True)

@@ -37,7 +37,6 @@ from torch._functorch.pyfunctorch import coerce_cinterpreter, dispatch_functorch
 from torch._functorch.utils import unwrap_dead_wrappers
 
 from . import _library, reference
-from ._library import spec_args
 from ._utils import Spec, no_autocast, tangent_bwd_outputs
 
 Tensor = torch.Tensor
@@ -128,6 +127,10 @@ def _tangent(x: Tensor | None, name: str) -> Tensor | None:
     return t
 
 
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _nested_forward_ad() -> bool:
     """Two or more torch.func forward-mode levels (jvp of jvp, jacfwd of jacfwd): the fused
     kernel gives only first-order tangents, so such calls take the PyTorch reference path."""
@@ -155,6 +158,10 @@ def attention(
     additive = mask is not None and mask.dtype != torch.bool
     tangents.append(_tangent(mask, "attn_mask") if additive else None)
     top = peek_interpreter_stack()
+    if top is None and all(t is None for t in tangents) and not _needs_grad(q, k, v, mask):
+        # nothing to differentiate: the launcher without the Function's bookkeeping
+        o, _, lse, _ = _library.fwd(q, k, v, None, None, None, mask, None, spec)
+        return o, lse
     if top is None or top.key() != TransformType.Jvp:
         return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[:2]
     interp = coerce_cinterpreter(top)
@@ -204,8 +211,7 @@ class FlashAttnJVP(_Function):
     @staticmethod
     def forward(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec):
         tangents = (q_t, k_t, v_t, mask_t)
-        outs = _library.attn_fwd(q, k, v, *tangents[:3], mask, mask_t, *spec_args(spec))
-        o, o_t, lse, mu = outs
+        o, o_t, lse, mu = _library.fwd(q, k, v, *tangents[:3], mask, mask_t, spec)
         return (o, lse) if all(t is None for t in tangents) else (o, lse, o_t, mu)
 
     @staticmethod
@@ -282,8 +288,7 @@ class FlashAttnJVP(_Function):
 
 def _bwd(do, q, k, v, o, lse, mask, spec: Spec, mask_grad: bool, dlse=None):
     """(dq, dk, dv, dmask or None) from the ``attn_bwd`` op."""
-    args = (do, q, k, v, o, lse, mask, *spec_args(spec), mask_grad, dlse)
-    dq, dk, dv, dmask = _library.attn_bwd(*args)
+    dq, dk, dv, dmask = _library.bwd(do, q, k, v, o, lse, mask, spec, mask_grad, dlse)
     return dq, dk, dv, dmask if mask_grad else None
 
 
@@ -388,7 +393,7 @@ def _second_order(d_o, d_lse, g, g_lse, q, k, v, o, lse, mask, u, spec: Spec, ma
     fwd+JVP pass, then one backward through o_t (cotangent g, and g_lse for mu)."""
     o_t = mu = None
     if any(t is not None for t in u):
-        _, o_t, _, mu = _library.attn_fwd(q, k, v, *u[:3], mask, u[3], *spec_args(spec))
+        _, o_t, _, mu = _library.fwd(q, k, v, *u[:3], mask, u[3], spec)
     saved = (q, k, v, *u[:3], o, o_t, lse, mu, mask, u[3])
     grads = _tangent_backward((d_o, g, d_lse, g_lse), saved, spec, (mask_grad, False, False))
     return grads[0], grads[1], grads[2], grads[6]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 from torch.library import Library
+from torch.nn import Parameter
 
 from ._utils import Spec, tangent_bwd_outputs
 
@@ -54,6 +55,37 @@ def spec_args(spec: Spec) -> tuple:
     """The scalar op arguments that rebuild ``spec`` (inverse of :func:`spec_of`)."""
     return (spec.scale, spec.causal_offset, spec.cu_seqlens_q, spec.cu_seqlens_k,
             spec.max_seqlen_q, spec.max_seqlen_k)  # fmt: skip
+
+
+def _direct(*tensors: Tensor | None) -> bool:
+    """Whether an op call may run the launcher itself: eagerly (no torch.compile trace, no
+    dispatch mode such as fake tensors, make_fx or FlopCounterMode, no torch.func transform)
+    on plain tensors, where the dispatcher would only reach the same function, for about 20 us
+    more host time per call (custom_op's autograd and Dynamo-disable wrappers)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()):  # fmt: skip
+        return False
+    return all(t is None or type(t) is Tensor or type(t) is Parameter for t in tensors)
+
+
+def fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec: Spec) -> tuple[Tensor | None, ...]:
+    """(o, o_t, lse, mu) of the ``attn_fwd`` op on a Spec (o_t and mu unset without
+    tangents: None or empty)."""
+    if _direct(q, k, v, q_t, k_t, v_t, mask, mask_t):
+        from . import _ops
+
+        return _ops.attn_fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec)
+    return attn_fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, *spec_args(spec))
+
+
+def bwd(do, q, k, v, o, lse, mask, spec: Spec, mask_grad: bool, dlse) -> tuple:
+    """(dq, dk, dv, dmask) of the ``attn_bwd`` op on a Spec (dmask unset without
+    ``mask_grad``: None or empty)."""
+    if _direct(do, q, k, v, o, lse, mask, dlse):
+        from . import _ops
+
+        return _ops.attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad, dlse)
+    return attn_bwd(do, q, k, v, o, lse, mask, *spec_args(spec), mask_grad, dlse)
 
 
 def _no_tensor(like: Tensor) -> Tensor:
@@ -265,6 +297,13 @@ def attn_bwd_tangent_grads(
     tangent_grads: bool = True,
 ) -> tuple[Tensor | None, ...]:
     """The ``attn_bwd_tangent`` op on a Spec; the outputs it leaves empty as None."""
+    if _direct(do, do_t, dlse, dmu, q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, mask, mask_t):
+        from . import _ops
+
+        return _ops.attn_bwd_tangent(
+            do, do_t, q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, mask, mask_t, spec, dlse=dlse,
+            dmu=dmu, mask_grad=mask_grad, mask_t_grad=mask_t_grad, tangent_grads=tangent_grads,
+        )  # fmt: skip
     grads = attn_bwd_tangent(
         do, do_t, dlse, dmu, q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, mask, mask_t,
         *spec_args(spec), mask_grad, mask_t_grad, tangent_grads,

@@ -16,6 +16,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import _plans
 from ._utils import MAX_GRID_Y, Spec, tangent_bwd_outputs, tangent_bwd_runs
 from .kernels import configs
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
@@ -32,9 +33,20 @@ MASK_RANGES_BLOCK = 128  # mask columns per step of mask_ranges_kernel
 _CHOSEN: dict[tuple, Config] = {}
 
 
+def forget_configs() -> None:
+    """Choose launch configs anew (after the candidates changed); drops the launch plans made
+    with the old choices too."""
+    global _CHOSEN
+    _CHOSEN = {}
+
+
+def _chosen() -> dict:
+    return _CHOSEN
+
+
 def _empty(shape: Sequence[int], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """Every buffer the launchers return is allocated here (tests poison it with NaN)."""
-    return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
+    """Every buffer the launchers return is allocated here (see _plans.allocate)."""
+    return _plans.empty(shape, like.device, dtype or like.dtype)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -178,8 +190,9 @@ def mask_ranges(mask: Tensor, other_len: int, mask_min: float) -> Tensor:
     mask = _unexpanded(mask)
     b, h, n, m = mask.shape
     groups = _cdiv(n, MASK_GROUP)
-    ranges = torch.empty((b, h, groups, 3), device=mask.device, dtype=torch.int32)
-    mask_ranges_kernel[(groups, b * h)](
+    ranges = _empty((b, h, groups, 3), mask, torch.int32)
+    _plans.launch(
+        mask_ranges_kernel, (groups, b * h),
         MASK=mask.view(torch.uint8) if mask.dtype == torch.bool else mask, RANGES=ranges,
         **_strides(mask, "m"), **_strides(ranges, "r"), H=h, n_rows=n, n_cols=m,
         other_len=other_len, mask_min=mask_min, MASK_KIND=mask_kind(mask),
@@ -236,12 +249,12 @@ def _launch(
         )
     chosen = _CHOSEN.get(key)
     if chosen is not None:
-        kernel[grid(chosen)](**args, **cfg_args(chosen), **chosen.kwargs())
+        _plans.launch(kernel, grid(chosen), **args, **cfg_args(chosen), **chosen.kwargs())
         return
     errors = []
     for cfg in candidates:
         try:
-            kernel[grid(cfg)](**args, **cfg_args(cfg), **cfg.kwargs())
+            _plans.launch(kernel, grid(cfg), **args, **cfg_args(cfg), **cfg.kwargs())
         except OutOfResources as err:
             errors.append(f"{cfg}: {err}")
             continue
@@ -296,6 +309,7 @@ def _key_args(tiles: dict[str, int], spec: Spec, **keys: Tensor | None) -> Calla
     return args
 
 
+@_plans.planned(_chosen)
 def attn_fwd(
     q: Tensor,
     k: Tensor,
@@ -394,6 +408,7 @@ def attn_bwd(
     return grads[0], grads[1], grads[2], grads[6]
 
 
+@_plans.planned(_chosen)
 def attn_bwd_tangent(
     do: Tensor | None,
     do_t: Tensor | None,
@@ -445,6 +460,7 @@ def attn_bwd_tangent(
     grads = (dq, dk, dv, dq_t, dk_t, dv_t)
     nothing = do is None and dlse is None and not tangent
     if q.numel() == 0 or k.numel() == 0 or lay.B == 0 or nothing:
+        _plans.unplannable()  # zeroed in place
         zeros = (None if x is None else x.zero_() for x in grads)
         return (*zeros, _cast(dmask, mask), _cast(dmask_t, mask))
     tiles = _tile_args(lay)
@@ -462,7 +478,8 @@ def attn_bwd_tangent(
         for x in (q_t, k_t, v_t, o_t, do_t, dq_t, dk_t, dv_t)
     )
     seqlens = _seqlens(spec, lse)
-    attn_bwd_preprocess_kernel[(_cdiv(lay.Lq, configs.PREPROCESS_BLOCK_M), lay.B * lay.H)](
+    _plans.launch(
+        attn_bwd_preprocess_kernel, (_cdiv(lay.Lq, configs.PREPROCESS_BLOCK_M), lay.B * lay.H),
         O=o4, DO=_or(do4, o4), DELTA=delta, O_T=_or(o_t4, o4), DO_T=_or(do_t4, o4),
         GAMMA=_or(gamma, delta), CU_SEQLENS_Q=seqlens["CU_SEQLENS_Q"],
         **_strides(o4, "o"), **_strides(do4, "do"), **_strides(o_t4, "ot"),
@@ -473,6 +490,7 @@ def attn_bwd_tangent(
         STRIDE_ALIGN=_stride_align(o4, do4, o_t4, do_t4),
     )  # fmt: skip
     if dlse is not None:
+        _plans.unplannable()  # updated in place
         delta -= dlse  # dS = P o (dP - delta) + P * dlse
     if tangent and dmu is not None:  # dS_t gains P * dmu
         gamma = -dmu if do_t is None else gamma - dmu
@@ -588,7 +606,7 @@ def _scratch(x4: Tensor | None, like: Tensor, spec: Spec, batch: int) -> Tensor:
 
 def _zeros_f32(mask: Tensor) -> Tensor:
     """A zeroed float32 gradient buffer shaped like ``mask`` (the kernels add into it)."""
-    return torch.zeros(mask.shape, device=mask.device, dtype=torch.float32)
+    return _plans.zeros(mask.shape, mask.device, torch.float32)
 
 
 def _cast(dmask: Tensor | None, mask: Tensor | None) -> Tensor | None:

@@ -1,0 +1,245 @@
+"""Launch plans: a launcher call replayed from its tensors' metadata, without the Python that
+built its kernel arguments or Triton's per-launch argument binding.
+
+A launcher (``_ops.attn_fwd``, ``_ops.attn_bwd_tangent``) builds about 90 arguments per
+kernel (strides, flags, tile sizes, config) and Triton then specialises each of them again
+before it launches: on the H200, 128 us of host time for a forward whose launch itself takes
+9 us (``benchmarks/results/2026-12-04-h200-host-profile-4944805.txt``). All of that is a
+function of metadata: shapes, strides, dtypes, devices and 16-byte alignment of the tensors,
+the scalars, the pattern of which tensors share storage, and the global switches the
+launchers read. :func:`planned` keys a launcher's calls by exactly that; the first call of a
+key runs the launcher and records its allocations and launches (the compiled kernel and its
+positional arguments, with the tensors as slots); later calls allocate the same buffers and
+launch the same compiled kernels with their own tensors.
+
+A call records only what this module sees: allocations through :func:`empty` / :func:`zeros`
+and launches through :func:`launch`. A launcher that does any other tensor work on a path
+(an in-place update, a copy) calls :func:`unplannable`, and such calls keep running the
+launcher. Likewise a kernel argument that is neither an input nor a recorded allocation (by
+data pointer), or a result that is not one of them, leaves the key unplanned. Plans are only
+made where Triton compiles (CUDA, not the interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._utils import INTERPRET, Spec
+
+Tensor = torch.Tensor
+
+MAX_PLANS = 4096  # keys kept per launcher; dropped all at once past it (shapes that vary per call)
+_UNPLANNED = object()  # a key whose calls run the launcher every time
+_local = threading.local()  # the recording in progress on this thread, if any
+
+
+@dataclass
+class _Launch:
+    compiled: object  # triton's CompiledKernel
+    grid: tuple[int, int, int]
+    values: list  # every kernel argument by position; None where a tensor slot is
+    slots: tuple[tuple[int, int], ...]  # (position, source) of the tensor arguments
+    descriptors: tuple[tuple, ...]  # (position, source, shape, strides, block, padding)
+
+
+@dataclass
+class _Plan:
+    allocations: tuple[tuple, ...]  # (shape, dtype, zeroed) per buffer, in call order
+    launches: tuple[_Launch, ...]
+    results: tuple  # per result: None, or the index of its source
+    configs: dict  # the launchers' config choices this plan was made under (see _ops._CHOSEN)
+
+
+class _Recording:
+    def __init__(self, inputs: list[Tensor]):
+        self.device = inputs[0].device
+        # data pointer -> source index; sources are the inputs, then the allocations
+        self.sources: dict[int, int] = {}
+        for i, t in reversed(list(enumerate(inputs))):
+            self.sources[t.data_ptr()] = i
+        self.n_sources = len(inputs)
+        self.allocations: list[tuple] = []
+        self.buffers: list[Tensor] = []
+        self.launches: list[_Launch] = []
+        self.ok = True
+
+    def allocated(self, t: Tensor, zeroed: bool) -> None:
+        self.allocations.append((tuple(t.shape), t.dtype, zeroed))
+        self.buffers.append(t)
+        self.sources[t.data_ptr()] = self.n_sources
+        self.n_sources += 1
+
+    def source(self, t: Tensor) -> int | None:
+        ptr = t.data_ptr()
+        return self.sources.get(ptr) if ptr else None
+
+    def launched(self, kernel, grid: tuple[int, ...], kwargs: dict, compiled) -> None:
+        if not self.ok:
+            return
+        device = torch.cuda.current_device()
+        if compiled is None or device != self.device.index:
+            self.ok = False
+            return
+        bound = kernel.device_caches[device][4](**kwargs)[0]  # triton's argument binder
+        values, slots, descriptors = list(bound.values()), [], []
+        for i, value in enumerate(values):
+            if isinstance(value, Tensor):
+                slots.append((i, self.source(value)))
+            elif isinstance(value, TensorDescriptor):
+                descriptors.append((i, self.source(value.base), tuple(value.shape),
+                                    tuple(value.strides), tuple(value.block_shape),
+                                    value.padding))  # fmt: skip
+            else:
+                continue
+            values[i] = None  # no tensor is kept alive by a plan
+        if any(s[1] is None for s in (*slots, *descriptors)):
+            self.ok = False
+            return
+        grid3 = (*grid, 1, 1)[:3]
+        self.launches.append(_Launch(compiled, grid3, values, tuple(slots), tuple(descriptors)))
+
+    def plan(self, result, inputs: list[Tensor], configs: dict) -> _Plan | None:
+        results = []
+        for r in result if isinstance(result, tuple) else (result,):
+            if r is None:
+                results.append(None)
+                continue
+            index = next((i for i, b in enumerate(self.buffers) if b is r), None)
+            if index is None:
+                index = next((i for i, t in enumerate(inputs) if t is r), None)
+                if index is None:
+                    return None
+                results.append(index)
+            else:
+                results.append(len(inputs) + index)
+        if not self.ok:
+            return None
+        return _Plan(tuple(self.allocations), tuple(self.launches), tuple(results), configs)
+
+
+def _key(args: tuple, kwargs: dict) -> tuple[tuple, list[Tensor]] | None:
+    """The metadata of a launcher call, and its tensors (None: not plannable here)."""
+    key, tensors = list(sorted(kwargs)), []  # names: which optional arguments were given
+    for a in (*args, *(kwargs[n] for n in key)):
+        if isinstance(a, Spec):
+            a = (a.scale, a.causal_offset, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q,
+                 a.max_seqlen_k)  # fmt: skip
+        else:
+            a = (a,)
+        for x in a:
+            if isinstance(x, Tensor):
+                if x.device.type != "cuda":
+                    return None
+                tensors.append(x)
+                key.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16))
+            else:
+                key.append(x)
+    if not tensors:
+        return None
+    ptrs = [t.data_ptr() for t in tensors]
+    key.append(tuple(ptrs.index(p) for p in ptrs))  # which tensors share a data pointer
+    key.append(torch.cuda.current_device())
+    key.append(torch.backends.cuda.matmul.allow_tf32)  # fp32 products: IEEE or TF32
+    return tuple(key), tensors
+
+
+def planned(configs: Callable[[], dict]) -> Callable:
+    """Decorator of a launcher: calls with the metadata of an earlier one replay its plan.
+    ``configs``: the launchers' current config choices (a plan made under others is stale)."""
+
+    def wrap(launcher: Callable) -> Callable:
+        plans: dict[tuple, object] = {}
+
+        @functools.wraps(launcher)
+        def call(*args, **kwargs):
+            found = None if INTERPRET else _key(args, kwargs)
+            if found is None or getattr(_local, "recording", None) is not None:
+                return launcher(*args, **kwargs)
+            key, tensors = found
+            plan = plans.get(key)
+            if plan is _UNPLANNED:
+                return launcher(*args, **kwargs)
+            if plan is not None and plan.configs is configs():
+                return _replay(plan, tensors)
+            _local.recording = recording = _Recording(tensors)
+            try:
+                result = launcher(*args, **kwargs)
+            finally:
+                _local.recording = None
+            if len(plans) >= MAX_PLANS:
+                plans.clear()
+            made = recording.plan(result, tensors, configs())
+            plans[key] = _UNPLANNED if made is None else made
+            return result
+
+        call.plans = plans  # for tests
+        return call
+
+    return wrap
+
+
+def _replay(plan: _Plan, inputs: list[Tensor]):
+    device = inputs[0].device
+    sources = list(inputs)
+    for shape, dtype, zeroed in plan.allocations:
+        make = torch.zeros if zeroed else allocate
+        sources.append(make(shape, device=device, dtype=dtype))
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    for step in plan.launches:
+        values = step.values.copy()
+        for i, src in step.slots:
+            values[i] = sources[src]
+        for i, src, shape, strides, block, padding in step.descriptors:
+            values[i] = TensorDescriptor(sources[src], list(shape), list(strides), list(block),
+                                         padding)  # fmt: skip
+        ck = step.compiled
+        meta = ck.launch_metadata(step.grid, stream, *values)
+        ck.run(*step.grid, stream, ck.function, ck.packed_metadata, meta, enter, exit_, *values)
+    results = tuple(None if r is None else sources[r] for r in plan.results)
+    return results if len(results) > 1 else results[0]
+
+
+def allocate(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Every uninitialised buffer of the launchers and their replays (tests poison it)."""
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def empty(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """:func:`allocate`, recorded into the plan being made."""
+    t = allocate(shape, device, dtype)
+    recording = getattr(_local, "recording", None)
+    if recording is not None:
+        recording.allocated(t, zeroed=False)
+    return t
+
+
+def zeros(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """torch.zeros, recorded into the plan being made."""
+    t = torch.zeros(shape, device=device, dtype=dtype)
+    recording = getattr(_local, "recording", None)
+    if recording is not None:
+        recording.allocated(t, zeroed=True)
+    return t
+
+
+def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
+    """``kernel[grid](**kwargs)``, recorded into the plan being made."""
+    compiled = kernel[grid](**kwargs)
+    recording = getattr(_local, "recording", None)
+    if recording is not None:
+        recording.launched(kernel, grid, kwargs, compiled)
+
+
+def unplannable() -> None:
+    """The launcher does tensor work a plan cannot replay on this path."""
+    recording = getattr(_local, "recording", None)
+    if recording is not None:
+        recording.ok = False
