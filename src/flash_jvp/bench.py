@@ -377,12 +377,14 @@ def _plot(rows: list[Row], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run_bench(out_dir: str, quick: bool, console: Console) -> int:
+def run_bench(out_dir: str, quick: bool, console: Console, lengths=None) -> int:
+    """Every shape of :func:`shapes` (only those of sequence length in ``lengths`` if given)
+    against the baselines, then the ratio table and host time per call."""
     if not torch.cuda.is_available():
         console.print("[red]bench needs a CUDA GPU")
         return 2
     rows = []
-    for s in shapes(quick):
+    for s in (s for s in shapes(quick) if not lengths or s.L in lengths):
         extra = MASK_METHODS if s.E == 64 and not s.is_causal and s.L >= 4096 else ()
         extra += GRAPH_METHODS if s.L <= 1024 else ()
         extra += L1024_METHODS if s.L == 1024 and s.B * s.H <= 64 else ()

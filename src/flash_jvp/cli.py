@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--e2e", action="store_true", help="whole-model training steps (benchmarks/e2e.py)"
     )
+    bench.add_argument(
+        "--lengths", type=int, nargs="+", metavar="L",
+        help="only the shapes of these sequence lengths (1024: where host time matters)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     console = Console(width=None if sys.stdout.isatty() else 160)
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from .bench import run_bench
 
-        return run_bench(args.out, args.quick, console)
+        return run_bench(args.out, args.quick, console, args.lengths)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         console.print(
