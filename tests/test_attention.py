@@ -180,3 +180,19 @@ def test_head_tiles_are_the_narrowest_cover():
         covers = [(h, t) for h in pow2 for t in [0, *pow2] if t < h and h + t >= e]
         best = min(covers, key=lambda ht: (ht[0] + ht[1], ht[1]))
         assert (head, tail) == best, e
+
+
+def test_inputs_left_from_a_finished_torch_func_transform():
+    """A tensor captured inside torch.func.grad and used after it (a dead wrapper) is taken
+    as its plain value, as torch's own ops take it, on the no-grad path too."""
+    q, k, v = (randn(1, 2, 24, 16) for _ in range(3))
+    kept = []
+
+    def f(q):
+        kept.append(k * 1.0)  # a wrapper at grad's level, dead once grad returns
+        return flash_jvp.attention(q, kept[-1], v).sum()
+
+    torch.func.grad(f)(q)
+    ref = flash_jvp.reference.math_sdpa(q.double(), k.double(), v.double())
+    out = flash_jvp.attention(q, kept[-1], v)
+    assert _check.rel_err(out, ref) <= 1e-5

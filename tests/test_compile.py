@@ -704,3 +704,46 @@ def test_export_inference(path):
     assert_same("y", exported.module()(x), model(x), _model_exact(path, "aot_eager"))
     if path == "kernels":
         assert "flash_jvp" in str(exported.graph)
+
+
+def test_jit_trace(path):
+    """torch.jit.trace records the op (shapes and the default scale are traced values there,
+    which the launchers cannot take): re-run on new inputs, o and the gradients equal float64
+    math SDPA's."""
+    q, k, v, _, kw = _inputs("plain")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    traced = torch.jit.trace(lambda q, k, v: flash_jvp.attention(q, k, v), tuple(leaves),
+                             check_trace=False)  # fmt: skip
+    q, k, v, _, _ = _inputs("plain")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = traced(*leaves)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out = reference.math_sdpa(*ref)
+    ref_grads = torch.autograd.grad(ref_out.sum(), ref)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert_close_rel(name, a, b, 1e-4)
+    if path == "kernels":
+        assert "flash_jvp" in str(traced.graph)
+
+
+def test_profiler_and_function_modes_see_the_op(path):
+    """Eager calls skip the dispatcher, except where someone watches: a TorchFunctionMode
+    and the profiler see flash_jvp's ops, as they did before that shortcut."""
+    from torch.overrides import TorchFunctionMode
+
+    q, k, v, _, _ = _inputs("plain")
+    seen = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        flash_jvp.attention(q, k, v)
+    with torch.profiler.profile() as prof:
+        flash_jvp.attention(q, k, v)
+    if path == "kernels":
+        assert any("flash_jvp" in s for s in seen), seen[:5]
+        assert any("flash_jvp::attn_fwd" in e.name for e in prof.events())

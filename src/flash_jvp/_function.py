@@ -159,7 +159,9 @@ def attention(
     tangents.append(_tangent(mask, "attn_mask") if additive else None)
     top = peek_interpreter_stack()
     if top is None and all(t is None for t in tangents) and not _needs_grad(q, k, v, mask):
-        # nothing to differentiate: the launcher without the Function's bookkeeping
+        # nothing to differentiate: the launcher without the Function's bookkeeping (but,
+        # as Function.apply, with wrappers of finished torch.func transforms unwrapped)
+        q, k, v, mask = unwrap_dead_wrappers((q, k, v, mask))
         o, _, lse, _ = _library.fwd(q, k, v, None, None, None, mask, None, spec)
         return o, lse
     if top is None or top.key() != TransformType.Jvp:

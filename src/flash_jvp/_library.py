@@ -57,13 +57,19 @@ def spec_args(spec: Spec) -> tuple:
             spec.max_seqlen_q, spec.max_seqlen_k)  # fmt: skip
 
 
-def _direct(*tensors: Tensor | None) -> bool:
+def _direct(spec: Spec, *tensors: Tensor | None) -> bool:
     """Whether an op call may run the launcher itself: eagerly (no torch.compile trace, no
-    dispatch mode such as fake tensors, make_fx or FlopCounterMode, no torch.func transform)
-    on plain tensors, where the dispatcher would only reach the same function, for about 20 us
-    more host time per call (custom_op's autograd and Dynamo-disable wrappers)."""
+    torch.jit trace, no dispatch or function mode such as fake tensors, make_fx or
+    FlopCounterMode, no torch.func transform, no profiler, whose trace shows the op) on plain
+    tensors and a plain float scale, where the dispatcher would only reach the same function,
+    for about 20 us more host time per call (custom_op's autograd and Dynamo-disable
+    wrappers)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._are_functorch_transforms_active()):  # fmt: skip
+            or torch._C._are_functorch_transforms_active()
+            or torch._C._get_tracing_state() is not None
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._autograd._profiler_enabled()
+            or type(spec.scale) is not float):  # fmt: skip
         return False
     return all(t is None or type(t) is Tensor or type(t) is Parameter for t in tensors)
 
@@ -71,7 +77,7 @@ def _direct(*tensors: Tensor | None) -> bool:
 def fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec: Spec) -> tuple[Tensor | None, ...]:
     """(o, o_t, lse, mu) of the ``attn_fwd`` op on a Spec (o_t and mu unset without
     tangents: None or empty)."""
-    if _direct(q, k, v, q_t, k_t, v_t, mask, mask_t):
+    if _direct(spec, q, k, v, q_t, k_t, v_t, mask, mask_t):
         from . import _ops
 
         return _ops.attn_fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec)
@@ -81,7 +87,7 @@ def fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec: Spec) -> tuple[Tensor | None
 def bwd(do, q, k, v, o, lse, mask, spec: Spec, mask_grad: bool, dlse) -> tuple:
     """(dq, dk, dv, dmask) of the ``attn_bwd`` op on a Spec (dmask unset without
     ``mask_grad``: None or empty)."""
-    if _direct(do, q, k, v, o, lse, mask, dlse):
+    if _direct(spec, do, q, k, v, o, lse, mask, dlse):
         from . import _ops
 
         return _ops.attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad, dlse)
@@ -297,7 +303,7 @@ def attn_bwd_tangent_grads(
     tangent_grads: bool = True,
 ) -> tuple[Tensor | None, ...]:
     """The ``attn_bwd_tangent`` op on a Spec; the outputs it leaves empty as None."""
-    if _direct(do, do_t, dlse, dmu, q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, mask, mask_t):
+    if _direct(spec, do, do_t, dlse, dmu, q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, mask, mask_t):
         from . import _ops
 
         return _ops.attn_bwd_tangent(

@@ -61,9 +61,11 @@ class _Recording:
     def __init__(self, inputs: list[Tensor]):
         self.device = inputs[0].device
         # data pointer -> source index; sources are the inputs, then the allocations
+        # (an empty tensor owns no memory: its pointer may be anything's, so it is no source)
         self.sources: dict[int, int] = {}
         for i, t in reversed(list(enumerate(inputs))):
-            self.sources[t.data_ptr()] = i
+            if t.numel():
+                self.sources[t.data_ptr()] = i
         self.n_sources = len(inputs)
         self.allocations: list[tuple] = []
         self.buffers: list[Tensor] = []
@@ -73,12 +75,12 @@ class _Recording:
     def allocated(self, t: Tensor, zeroed: bool) -> None:
         self.allocations.append((tuple(t.shape), t.dtype, zeroed))
         self.buffers.append(t)
-        self.sources[t.data_ptr()] = self.n_sources
+        if t.numel():
+            self.sources[t.data_ptr()] = self.n_sources
         self.n_sources += 1
 
     def source(self, t: Tensor) -> int | None:
-        ptr = t.data_ptr()
-        return self.sources.get(ptr) if ptr else None
+        return self.sources.get(t.data_ptr()) if t.numel() else None
 
     def launched(self, kernel, grid: tuple[int, ...], kwargs: dict, compiled) -> None:
         if not self.ok:
@@ -106,8 +108,10 @@ class _Recording:
         self.launches.append(_Launch(compiled, grid3, values, tuple(slots), tuple(descriptors)))
 
     def plan(self, result, inputs: list[Tensor], configs: dict) -> _Plan | None:
+        if not self.launches and any(r is not None and r.numel() for r in _tuple(result)):
+            return None  # results no launch wrote (a stand-in for _ops._launch, e.g.)
         results = []
-        for r in result if isinstance(result, tuple) else (result,):
+        for r in _tuple(result):
             if r is None:
                 results.append(None)
                 continue
@@ -122,6 +126,10 @@ class _Recording:
         if not self.ok:
             return None
         return _Plan(tuple(self.allocations), tuple(self.launches), tuple(results), configs)
+
+
+def _tuple(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
 
 
 def _key(args: tuple, kwargs: dict) -> tuple[tuple, list[Tensor]] | None:
@@ -168,6 +176,7 @@ def planned(configs: Callable[[], dict]) -> Callable:
                 return launcher(*args, **kwargs)
             if plan is not None and plan.configs is configs():
                 return _replay(plan, tensors)
+            chosen = configs()  # the choices this call starts from
             _local.recording = recording = _Recording(tensors)
             try:
                 result = launcher(*args, **kwargs)
@@ -175,7 +184,7 @@ def planned(configs: Callable[[], dict]) -> Callable:
                 _local.recording = None
             if len(plans) >= MAX_PLANS:
                 plans.clear()
-            made = recording.plan(result, tensors, configs())
+            made = recording.plan(result, tensors, chosen)
             plans[key] = _UNPLANNED if made is None else made
             return result
 
