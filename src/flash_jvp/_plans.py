@@ -60,24 +60,23 @@ class _Plan:
 class _Recording:
     def __init__(self, inputs: list[Tensor]):
         self.device = inputs[0].device
+        self.inputs = inputs
         # data pointer -> source index; sources are the inputs, then the allocations
         # (an empty tensor owns no memory: its pointer may be anything's, so it is no source)
         self.sources: dict[int, int] = {}
         for i, t in reversed(list(enumerate(inputs))):
             if t.numel():
                 self.sources[t.data_ptr()] = i
-        self.n_sources = len(inputs)
         self.allocations: list[tuple] = []
         self.buffers: list[Tensor] = []
         self.launches: list[_Launch] = []
         self.ok = True
 
     def allocated(self, t: Tensor, zeroed: bool) -> None:
+        if t.numel():
+            self.sources[t.data_ptr()] = len(self.inputs) + len(self.buffers)
         self.allocations.append((tuple(t.shape), t.dtype, zeroed))
         self.buffers.append(t)
-        if t.numel():
-            self.sources[t.data_ptr()] = self.n_sources
-        self.n_sources += 1
 
     def source(self, t: Tensor) -> int | None:
         return self.sources.get(t.data_ptr()) if t.numel() else None
@@ -107,24 +106,18 @@ class _Recording:
         grid3 = (*grid, 1, 1)[:3]
         self.launches.append(_Launch(compiled, grid3, values, tuple(slots), tuple(descriptors)))
 
-    def plan(self, result, inputs: list[Tensor], configs: dict) -> _Plan | None:
-        if not self.launches and any(r is not None and r.numel() for r in _tuple(result)):
-            return None  # results no launch wrote (a stand-in for _ops._launch, e.g.)
-        results = []
-        for r in _tuple(result):
-            if r is None:
-                results.append(None)
-                continue
-            index = next((i for i, b in enumerate(self.buffers) if b is r), None)
-            if index is None:
-                index = next((i for i, t in enumerate(inputs) if t is r), None)
-                if index is None:
-                    return None
-                results.append(index)
-            else:
-                results.append(len(inputs) + index)
+    def plan(self, result, configs: dict) -> _Plan | None:
         if not self.ok:
             return None
+        if not self.launches and any(r is not None and r.numel() for r in _tuple(result)):
+            return None  # results no launch wrote (a stand-in for _ops._launch, e.g.)
+        sources = [*self.inputs, *self.buffers]
+        results = []
+        for r in _tuple(result):
+            index = None if r is None else next((i for i, t in enumerate(sources) if t is r), -1)
+            if index == -1:
+                return None  # a result made outside the recording (a copy, a cast)
+            results.append(index)
         return _Plan(tuple(self.allocations), tuple(self.launches), tuple(results), configs)
 
 
@@ -134,7 +127,7 @@ def _tuple(result) -> tuple:
 
 def _key(args: tuple, kwargs: dict) -> tuple[tuple, list[Tensor]] | None:
     """The metadata of a launcher call, and its tensors (None: not plannable here)."""
-    key, tensors = list(sorted(kwargs)), []  # names: which optional arguments were given
+    key, tensors = sorted(kwargs), []  # names: which optional arguments were given
     for a in (*args, *(kwargs[n] for n in key)):
         if isinstance(a, Spec):
             a = (a.scale, a.causal_offset, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q,
@@ -168,7 +161,7 @@ def planned(configs: Callable[[], dict]) -> Callable:
         @functools.wraps(launcher)
         def call(*args, **kwargs):
             found = None if INTERPRET else _key(args, kwargs)
-            if found is None or getattr(_local, "recording", None) is not None:
+            if found is None or _recording() is not None:
                 return launcher(*args, **kwargs)
             key, tensors = found
             plan = plans.get(key)
@@ -184,7 +177,7 @@ def planned(configs: Callable[[], dict]) -> Callable:
                 _local.recording = None
             if len(plans) >= MAX_PLANS:
                 plans.clear()
-            made = recording.plan(result, tensors, chosen)
+            made = recording.plan(result, chosen)
             plans[key] = _UNPLANNED if made is None else made
             return result
 
@@ -224,8 +217,7 @@ def allocate(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
 def empty(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
     """:func:`allocate`, recorded into the plan being made."""
     t = allocate(shape, device, dtype)
-    recording = getattr(_local, "recording", None)
-    if recording is not None:
+    if (recording := _recording()) is not None:
         recording.allocated(t, zeroed=False)
     return t
 
@@ -233,8 +225,7 @@ def empty(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
 def zeros(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
     """torch.zeros, recorded into the plan being made."""
     t = torch.zeros(shape, device=device, dtype=dtype)
-    recording = getattr(_local, "recording", None)
-    if recording is not None:
+    if (recording := _recording()) is not None:
         recording.allocated(t, zeroed=True)
     return t
 
@@ -242,13 +233,16 @@ def zeros(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
 def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
     """``kernel[grid](**kwargs)``, recorded into the plan being made."""
     compiled = kernel[grid](**kwargs)
-    recording = getattr(_local, "recording", None)
-    if recording is not None:
+    if (recording := _recording()) is not None:
         recording.launched(kernel, grid, kwargs, compiled)
 
 
 def unplannable() -> None:
     """The launcher does tensor work a plan cannot replay on this path."""
-    recording = getattr(_local, "recording", None)
-    if recording is not None:
+    if (recording := _recording()) is not None:
         recording.ok = False
+
+
+def _recording() -> _Recording | None:
+    """The plan being made on this thread, if any."""
+    return getattr(_local, "recording", None)
