@@ -18,11 +18,14 @@ Methods (``--methods``):
 * ``plain``: attention in plain ops (softmax(q k^T * scale) v), the JVP step, eager;
 * ``plain graph``: the same step captured whole in one CUDA graph and replayed;
 * ``flash_jvp`` / ``flash_jvp graph``: the JVP step through flash_jvp, eager / replayed;
+* ``flash_jvp nn`` / ``flash_jvp nn graph``: the same with the model's norms swapped for the
+  fused layers of ``flash_jvp.nn`` (``flash_jvp.nn.convert``; adaLN modulation fused in);
 * ``flash_jvp compile`` (``plain compile``, on request): the JVP step's forward (jvp + loss) under
   ``torch.compile(fullgraph=True)``, backward through autograd; a failure is recorded;
-* ``sdpa no-JVP`` / ``sdpa no-JVP compile``: the floor, a plain training step without a JVP
-  (TrigFlow diffusion loss; LM cross-entropy) through torch's default SDPA (flash on the
-  H200), eager / with every block under ``torch.compile`` (regional compilation).
+* ``sdpa no-JVP`` / ``sdpa no-JVP graph`` / ``sdpa no-JVP compile``: the floor, a plain
+  training step without a JVP (TrigFlow diffusion loss; LM cross-entropy) through torch's
+  default SDPA (flash on the H200), eager / replayed / with every block under
+  ``torch.compile`` (regional compilation).
 
 When a model's plain-op step runs out of memory at full depth, plain, flash_jvp and the floor
 are run again at ``fallback_depth`` blocks so their ratios exist (rows carry their depth).
@@ -71,8 +74,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import flash_jvp.nn
 from examples import scm
-from examples.dit import Attention, DiT, RMSNorm, set_attention, wide
+from examples.dit import FUSABLE, Attention, DiT, RMSNorm, set_attention, wide
 from flash_jvp._env import environment
 
 GIB = 2**30
@@ -150,9 +154,10 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(dim, hidden, bias=False)
         self.up = nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
+        self.act = nn.SiLU()
 
     def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
 class LMBlock(nn.Module):
@@ -292,6 +297,7 @@ class MethodSpec:
     jvp: bool
     runner: str  # eager, graph, compile
     profile: bool = True
+    fused: bool = False  # the norms swapped for flash_jvp.nn's fused layers
 
 
 METHODS = {
@@ -299,9 +305,12 @@ METHODS = {
     for m in (
         MethodSpec("flash_jvp", "flash_jvp", True, "eager"),
         MethodSpec("flash_jvp graph", "flash_jvp", True, "graph"),
+        MethodSpec("flash_jvp nn", "flash_jvp", True, "eager", fused=True),
+        MethodSpec("flash_jvp nn graph", "flash_jvp", True, "graph", fused=True),
         MethodSpec("plain", "plain", True, "eager"),
         MethodSpec("plain graph", "plain", True, "graph", profile=False),
         MethodSpec("sdpa no-JVP", "sdpa", False, "eager"),
+        MethodSpec("sdpa no-JVP graph", "sdpa", False, "graph"),
         MethodSpec("math", "math", True, "eager", profile=False),
         MethodSpec("flash_jvp compile", "flash_jvp", True, "compile", profile=False),
         MethodSpec("plain compile", "plain", True, "compile", profile=False),
@@ -472,6 +481,8 @@ def run_row(method: MethodSpec, model, inp, args, row: Row) -> Row:
     start = time.perf_counter()
     cuda = torch.device(args.device).type == "cuda"
     set_attention(model, method.attention)
+    if method.fused:
+        flash_jvp.nn.convert(model, types=FUSABLE)
     _free()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -517,6 +528,7 @@ def run_row(method: MethodSpec, model, inp, args, row: Row) -> Row:
         step = None
         stack.close()
         set_attention(model, "flash_jvp")
+        flash_jvp.nn.revert(model)
         _free()
     row.seconds = time.perf_counter() - start
     return row
@@ -559,6 +571,15 @@ def ratios(rows: list[Row]) -> list[dict]:
             entry["flash_jvp graph / no-JVP compiled"] = ratio(flash_g, floor_c)
             entry["flash_jvp / no-JVP eager"] = ratio(flash, floor)
             entry["peak flash_jvp / plain"] = ratio(flash, plain, "peak_gib")
+            # issue 24: the fused layers' JVP step against the no-JVP step, eager and graphs
+            fused, fused_g = ms(name, "flash_jvp nn", depth), ms(name, "flash_jvp nn graph", depth)
+            entry["nn / no-JVP (eager)"] = ratio(fused, floor)
+            entry["nn graph / no-JVP graph"] = ratio(fused_g, ms(name, "sdpa no-JVP graph", depth))
+            entry["peak nn / flash_jvp"] = ratio(fused, flash, "peak_gib")
+            nn_r, nn_g = entry["nn / no-JVP (eager)"], entry["nn graph / no-JVP graph"]
+            entry["nn target (<= 1.5x eager, <= 1.4x graphs)"] = (
+                None if nn_r is None or nn_g is None else nn_r <= 1.5 and nn_g <= 1.4
+            )
             if tokens <= 256:
                 speed = entry["plain / flash_jvp (graphs)"] or entry["plain / flash_jvp (eager)"]
                 floor_r = entry["flash_jvp graph / no-JVP eager"]
@@ -847,8 +868,11 @@ def smoke_compare(spec: Spec, dtype, device="cpu") -> dict:
     # rounding, 5e-2 relative, would hide attention's)
     ref_loss, ref_grads = step_fn(set_attention(model, "plain"), inp, True, autocast=False)()
     worst = 0.0
-    for kind in ("flash_jvp", "math"):
-        loss, grads = step_fn(set_attention(model, kind), inp, True, autocast=False)()
+    for kind in ("flash_jvp", "math", "flash_jvp nn"):
+        if kind == "flash_jvp nn":  # the fused norms too
+            flash_jvp.nn.convert(model, types=FUSABLE)
+        loss, grads = step_fn(set_attention(model, kind.split()[0]), inp, True, autocast=False)()
+        flash_jvp.nn.revert(model)
         rel = max(_rel(g, r) for g, r in zip(grads, ref_grads))
         rel = max(rel, _rel(loss, ref_loss))
         out[kind] = {"loss": loss.item(), "max_rel_diff": rel}

@@ -9,10 +9,12 @@ dF/dt).
 
 Choices made for forward-mode AD and ``torch.compile``:
 
-* norms are written out in plain ops (``F.layer_norm`` under ``torch.compile`` of
-  ``torch.func.jvp`` fails inside torch) and computed in at least float32, so the
-  residual stream of an fp32 model stays fp32 under bf16 autocast (a pure-bf16 LayerNorm under
-  jvp on CUDA hands the next bf16 Linear a float tangent);
+* norms are ``nn.LayerNorm`` / ``nn.RMSNorm`` subclasses written out in plain ops
+  (``F.layer_norm`` under ``torch.compile`` of ``torch.func.jvp`` fails inside torch),
+  computed in at least float32, so the residual stream of an fp32 model stays fp32 under bf16
+  autocast (a pure-bf16 LayerNorm under jvp on CUDA hands the next bf16 Linear a float
+  tangent); they take the adaLN modulation as arguments, so ``flash_jvp.nn.convert`` can swap
+  in the fused layers (norm, modulation and tangent in one pass);
 * weights stay in the model's dtype (fp32 on the GPU, fp32 or fp64 on the CPU); callers use
   ``torch.autocast("cuda", torch.bfloat16)`` for bf16 matmuls;
 * the attention is selectable (:data:`ATTENTIONS`), so one model runs through flash_jvp,
@@ -30,6 +32,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_jvp
+import flash_jvp.nn
 
 Tensor = torch.Tensor
 
@@ -84,25 +87,54 @@ def wide(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def layer_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """LayerNorm over the last dim without affine parameters (adaLN supplies them), in plain
-    ops and at least float32."""
-    x = wide(x)
-    centred = x - x.mean(-1, keepdim=True)
-    return centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+def _modulated(y: Tensor, shift: Tensor | None, scale: Tensor | None) -> Tensor:
+    """adaLN modulation ``y * (1 + scale) + shift`` (either may be None)."""
+    if scale is not None:
+        y = y * (1 + scale)
+    return y if shift is None else y + shift
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019) with a learned gain, in plain ops, at least float32."""
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (DiT: without affine parameters, adaLN supplies them) written in plain
+    ops and at least float32; ``forward(x, shift=None, scale=None)`` applies the adaLN
+    modulation too. ``flash_jvp.nn.convert(model, types=FUSABLE)`` swaps in the
+    fused layers, which compute the same function."""
+
+    def forward(self, x: Tensor, shift: Tensor | None = None, scale: Tensor | None = None):
+        x = wide(x)
+        centred = x - x.mean(-1, keepdim=True)
+        y = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight
+        if self.bias is not None:
+            y = y + self.bias
+        return _modulated(y, shift, scale)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (Zhang & Sennrich 2019) with a learned gain, in plain ops and at least
+    float32; ``forward(x, shift=None, scale=None)`` as :class:`LayerNorm`'s."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        super().__init__(dim, eps=eps)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, shift: Tensor | None = None, scale: Tensor | None = None):
         x = wide(x)
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
+        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
+        return _modulated(y, shift, scale)
+
+
+class GatedResidual(flash_jvp.nn.GatedResidual):
+    """adaLN-Zero's gated residual ``x + gate * y`` in plain ops (``flash_jvp.nn.convert``
+    swaps in the fused one)."""
+
+    def forward(self, x: Tensor, gate: Tensor, y: Tensor) -> Tensor:
+        return x + gate * y
+
+
+# The example's own layers that ``flash_jvp.nn.convert(model, types=FUSABLE)`` may swap for
+# the fused ones (they compute the same functions; nn.Linear, nn.GELU, nn.SiLU need no entry).
+FUSABLE = (LayerNorm, RMSNorm, GatedResidual)
 
 
 class Attention(nn.Module):
@@ -141,13 +173,10 @@ class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.act = nn.GELU(approximate="tanh")
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
-def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    return x * (1 + scale) + shift
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class DiTBlock(nn.Module):
@@ -157,12 +186,14 @@ class DiTBlock(nn.Module):
         super().__init__()
         self.attn = Attention(dim, heads, head_dim, attention=attention)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
-        self.ada = nn.Linear(dim, 6 * dim)  # zero-initialised by DiT.init_weights
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))  # zeroed by init_weights
+        self.norm1, self.norm2 = (LayerNorm(dim, 1e-6, elementwise_affine=False) for _ in "12")
+        self.residual = GatedResidual()
 
     def forward(self, x: Tensor, c: Tensor) -> Tensor:
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(c))[:, None].chunk(6, -1)
-        x = x + gate1 * self.attn(modulate(layer_norm(x), shift1, scale1))
-        return x + gate2 * self.mlp(modulate(layer_norm(x), shift2, scale2))
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(c)[:, None].chunk(6, -1)
+        x = self.residual(x, gate1, self.attn(self.norm1(x, shift1, scale1)))
+        return self.residual(x, gate2, self.mlp(self.norm2(x, shift2, scale2)))
 
 
 class TimeEmbedding(nn.Module):
@@ -256,7 +287,8 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(
             DiTBlock(dim, heads, head_dim, mlp_ratio, attention) for _ in range(depth)
         )
-        self.final_ada = nn.Linear(dim, 2 * dim)
+        self.final_ada = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
+        self.final_norm = LayerNorm(dim, 1e-6, elementwise_affine=False)
         self.final = nn.Linear(dim, patch_size * patch_size * in_channels)
         self.init_weights()
 
@@ -273,7 +305,7 @@ class DiT(nn.Module):
                     nn.init.normal_(m.weight, std=0.02)
         if self.labels is not None:
             nn.init.normal_(self.labels.weight, std=0.02)
-        for m in [*(b.ada for b in self.blocks), self.final_ada, self.final]:
+        for m in [*(b.ada[1] for b in self.blocks), self.final_ada[1], self.final]:
             nn.init.zeros_(m.weight)
             nn.init.zeros_(m.bias)
 
@@ -299,7 +331,9 @@ class DiT(nn.Module):
         times = (t,) if t2 is None else (t, t2)
         if len(times) != len(self.times):
             raise ValueError(f"this DiT takes {len(self.times)} time input(s), got {len(times)}")
-        c = sum(emb(s) for emb, s in zip(self.times, times))
+        c = self.times[0](times[0])
+        for emb, s in zip(self.times[1:], times[1:]):  # (not sum(): no 0 + c op under the JVP)
+            c = c + emb(s)
         if self.labels is not None:
             if y is None:
                 raise ValueError("this DiT is class-conditional: pass y (B,) int64 labels")
@@ -307,8 +341,8 @@ class DiT(nn.Module):
         h = self.patch(self.patchify(x)) + self.pos
         for block in self.blocks:
             h = block(h, c)
-        shift, scale = self.final_ada(F.silu(c))[:, None].chunk(2, -1)
-        return self.unpatchify(self.final(modulate(layer_norm(h), shift, scale)))
+        shift, scale = self.final_ada(c)[:, None].chunk(2, -1)
+        return self.unpatchify(self.final(self.final_norm(h, shift, scale)))
 
 
 def set_attention(model: nn.Module, kind: str) -> nn.Module:

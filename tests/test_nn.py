@@ -1,0 +1,452 @@
+"""flash_jvp.nn: the fused norms (LayerNorm / RMSNorm, affine, adaLN modulation) against a
+float64 reference of the same math in plain ops; y, its tangent, the backward through y and
+through the tangent; convert / revert; the paths that fall back to plain ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CUDA, DEVICE, DTYPE_IDS, DTYPES, randn
+from torch import nn
+
+import flash_jvp.nn as fnn
+from flash_jvp import _check, _utils
+from flash_jvp.nn import _activation, _linear, _norm, _residual
+from flash_jvp.nn import functional as FN
+
+FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+WIDTHS = [1152, 37] if CUDA else [37, 64]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts of the fused forward and backward launches (norms; "act": activations)."""
+    count = {"fwd": 0, "bwd": 0, "act": 0}
+    for name, module, attr in (("fwd", _norm, "fwd"), ("bwd", _norm, "bwd"),
+                               ("act", _activation, "fwd")):  # fmt: skip
+        real = getattr(module, attr)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            count[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, attr, counted)
+    return count
+
+
+@pytest.fixture(params=["fused", "plain"])
+def norm_path(request, monkeypatch):
+    """The fused Function (CUDA or the interpreter) or the plain-op path (forced)."""
+    if request.param == "fused" and not _utils.uses_kernels(torch.device(DEVICE)):
+        pytest.skip("the fused kernels run on CUDA or under TRITON_INTERPRET=1")
+    if request.param == "plain":  # what decides, for the norms and the activations
+        monkeypatch.setattr(_norm, "_fusable", lambda *a: False)
+        monkeypatch.setattr(_activation, "fusable_context", lambda: False)
+    return request.param
+
+
+def _case(kind, affine, mod, shape, dtype):
+    """Inputs of one norm call: x, params, shift / scale, their tangents, cotangents."""
+    D = shape[-1]
+    x = randn(*shape, dtype=dtype)
+    w = randn(D, dtype=dtype) if affine else None
+    b = randn(D, dtype=dtype) if affine == "weight+bias" and kind == "layer" else None
+    mshape = {"none": None, "(B,1,D)": (shape[0], *(1,) * (len(shape) - 2), D),
+              "(D,)": (D,), "(B,L,D)": shape}[mod]  # fmt: skip
+    shift = None if mshape is None else randn(*mshape, dtype=dtype)
+    scale = None if mshape is None else randn(*mshape, dtype=dtype, std=0.5)
+    return x, w, b, shift, scale
+
+
+def _call(kind, x, w, b, shift, scale, eps=1e-5):
+    if kind == "layer":
+        return FN.layer_norm(x, x.shape[-1], w, b, eps, shift=shift, scale=scale)
+    return FN.rms_norm(x, x.shape[-1], w, eps, shift=shift, scale=scale)
+
+
+def _reference(kind, x, w, b, shift, scale, dtype, eps=1e-5):
+    return _norm.reference(x, w, b, shift, scale, kind == "rms", eps, 1, dtype)
+
+
+def _everything(fn, kind, inputs, tangents, dy, dy_t):
+    """y, y_t (torch.func.jvp over x, shift, scale), the gradients of <y, dy> of every input,
+    and those of <y, dy> + <y_t, dy_t> (tangents included)."""
+    x, w, b, shift, scale = inputs
+    moving = [i for i, t in enumerate((x, shift, scale)) if t is not None]
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in inputs]
+    tans = [t.detach().requires_grad_() for t in tangents]
+
+    def f(*ps):
+        args = [leaves[0], leaves[3], leaves[4]]
+        for i, p in zip(moving, ps):
+            args[i] = p
+        return fn(kind, args[0], leaves[1], leaves[2], args[1], args[2])
+
+    primals = tuple([leaves[0], leaves[3], leaves[4]][i] for i in moving)
+    y, y_t = torch.func.jvp(f, primals, tuple(tans))
+    wrt = [t for t in leaves if t is not None]
+    g1 = torch.autograd.grad((y.double() * dy).sum(), wrt, retain_graph=True)
+    g2 = torch.autograd.grad((y.double() * dy).sum() + (y_t.double() * dy_t).sum(), wrt + tans)
+    return [y, y_t, *g1, *g2]
+
+
+def _tolerances(kind, inputs, tangents, dy, dy_t, dtype):
+    """Per output: 2x the error of the plain-op path in ``dtype`` against float64, + floor."""
+    ref = _everything(_ref64, kind, [_f64(t) for t in inputs], [_f64(t) for t in tangents],
+                      dy, dy_t)  # fmt: skip
+    same = _everything(_plain_same, kind, inputs, tangents, dy, dy_t)
+    return ref, [2 * _check.rel_err(s, r) + FLOOR[dtype] for s, r in zip(same, ref)]
+
+
+def _f64(t):
+    return None if t is None else t.detach().double()
+
+
+def _ref64(kind, x, w, b, shift, scale):
+    return _reference(kind, x, w, b, shift, scale, torch.float64)
+
+
+def _plain_same(kind, x, w, b, shift, scale):
+    dtype = _norm.out_dtype(x, shift, scale)
+    return _reference(kind, x, w, b, shift, scale, dtype)
+
+
+def _assert_all(name, got, ref, tols):
+    for i, (g, r, tol) in enumerate(zip(got, ref, tols)):
+        err = _check.rel_err(g, r)
+        assert err <= tol, f"{name}: output {i}: rel err {err:.3e} > {tol:.1e}"
+
+
+CASES = [
+    ("layer", "weight+bias", "(B,1,D)", (2, 5)),
+    ("layer", None, "(B,1,D)", (3, 4)),
+    ("layer", "weight", "none", (2, 6)),
+    ("layer", None, "(D,)", (7,)),
+    ("rms", "weight", "(B,1,D)", (2, 5)),
+    ("rms", None, "(B,L,D)", (2, 3)),
+    ("rms", "weight", "none", (2, 2, 3)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("kind,affine,mod,lead", CASES)
+def test_norm_matches_float64(kind, affine, mod, lead, width, dtype, norm_path, launches):
+    if dtype not in _utils.kernel_dtypes(torch.device(DEVICE)) and norm_path == "fused":
+        pytest.skip("the interpreter computes bfloat16 wrongly")
+    shape = (*lead, width)
+    inputs = _case(kind, affine, mod, shape, dtype)
+    x, _, _, shift, scale = inputs
+    tangents = [randn(*t.shape, dtype=dtype) for t in (x, shift, scale) if t is not None]
+    out_dtype = _norm.out_dtype(x, shift, scale)
+    dy = randn(*shape, dtype=torch.float64)
+    dy_t = randn(*shape, dtype=torch.float64)
+    ref, tols = _tolerances(kind, inputs, tangents, dy, dy_t, dtype)
+    got = _everything(_call, kind, inputs, tangents, dy, dy_t)
+    assert got[0].dtype == got[1].dtype == out_dtype
+    _assert_all(f"{kind} {affine} {mod} {shape} {dtype}", got, ref, tols)
+    if norm_path == "fused":  # y and y_t in one pass; the backward through y alone in one
+        assert launches == {"fwd": 1, "bwd": 1, "act": 0}
+    else:
+        assert launches == {"fwd": 0, "bwd": 0, "act": 0}
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_forward_ad_and_no_tangent(kind, norm_path, launches):
+    """torch.autograd.forward_ad duals give torch.func.jvp's tangent; without tangents the
+    output and its gradients are the same as with them."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, w, b, shift, scale = _case(kind, "weight+bias", "(B,1,D)", (2, 9, 40), torch.float32)
+    x_t, shift_t = randn(*x.shape), randn(*shift.shape)
+    y_ref, y_t_ref = torch.func.jvp(
+        lambda x, s: _call(kind, x, w, b, s, scale), (x, shift), (x_t, shift_t)
+    )
+    with fwAD.dual_level():
+        y, y_t = fwAD.unpack_dual(
+            _call(kind, fwAD.make_dual(x, x_t), w, b, fwAD.make_dual(shift, shift_t), scale)
+        )
+    assert y_t is not None
+    assert torch.equal(y, y_ref) and torch.equal(y_t, y_t_ref)
+    assert torch.equal(_call(kind, x, w, b, shift, scale), y_ref)
+
+
+def test_double_backward_matches_float64(norm_path):
+    """A backward that builds a graph (create_graph) goes through the plain ops: second
+    derivatives right."""
+    x, w, b, shift, scale = _case("layer", "weight+bias", "(B,1,D)", (2, 3, 16), torch.float32)
+    v = randn(*x.shape, dtype=torch.float64)
+
+    def hvp(x, w, b, shift, scale, fn):
+        x = x.detach().requires_grad_()
+        y = fn("layer", x, w, b, shift, scale)
+        (g,) = torch.autograd.grad((y.double() ** 3).sum(), x, create_graph=True)
+        return torch.autograd.grad((g.double() * v).sum(), x)[0]
+
+    ref = hvp(*(t.double() for t in (x, w, b, shift, scale)), _ref64)
+    got = hvp(x, w, b, shift, scale, _call)
+    assert _check.rel_err(got, ref) < 1e-4
+
+
+def test_transforms_take_the_plain_ops(launches):
+    """vmap, a jvp of a jvp and torch.func.grad around the call: plain ops, right values."""
+    x, w, b, shift, scale = _case("layer", "weight", "(B,1,D)", (3, 4, 16), torch.float32)
+    x_t = randn(*x.shape)
+
+    def f(x):
+        return _call("layer", x, w, b, shift, scale)
+
+    def ref(x):
+        return _ref64("layer", x.double(), w.double(), None, shift.double(), scale.double())
+
+    got = torch.vmap(lambda x, s, c: _call("layer", x, w, b, s, c))(x, shift, scale)
+    assert _check.rel_err(got, ref(x)) < 1e-5
+    second = torch.func.jvp(lambda x: torch.func.jvp(f, (x,), (x_t,))[1], (x,), (x_t,))[1]
+    second_ref = torch.func.jvp(lambda x: torch.func.jvp(ref, (x,), (x_t.double(),))[1],
+                                (x.double(),), (x_t.double(),))[1]  # fmt: skip
+    assert _check.rel_err(second, second_ref) < 1e-4
+    grad = torch.func.grad(lambda x: f(x).square().sum())(x)
+    grad_ref = torch.func.grad(lambda x: ref(x).square().sum())(x.double())
+    assert _check.rel_err(grad, grad_ref) < 1e-5
+    assert launches == {"fwd": 0, "bwd": 0, "act": 0}
+
+
+ACTIVATIONS = {
+    "gelu": lambda x: FN.gelu(x),
+    "gelu_tanh": lambda x: FN.gelu(x, approximate="tanh"),
+    "silu": FN.silu,
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("kind", list(ACTIVATIONS))
+def test_activation_matches_float64(kind, dtype, norm_path, launches):
+    """y, y_t, the backward through y and through (y, y_t) against float64, on a strided
+    input of an odd size; wide inputs (|x| up to 12) reach the saturated tails."""
+    if dtype not in _utils.kernel_dtypes(torch.device(DEVICE)) and norm_path == "fused":
+        pytest.skip("the interpreter computes bfloat16 wrongly")
+    x = (randn(3, 41, 7) * 4).clamp(-12, 12).to(dtype).transpose(0, 1)
+    x_t = randn(*x.shape, dtype=dtype)
+    dy, dy_t = randn(*x.shape, dtype=torch.float64), randn(*x.shape, dtype=torch.float64)
+
+    def run(fn, x, x_t):
+        x, x_t = x.detach().requires_grad_(), x_t.detach().requires_grad_()
+        y, y_t = torch.func.jvp(fn, (x,), (x_t,))
+        g1 = torch.autograd.grad((y.double() * dy).sum(), x, retain_graph=True)
+        g2 = torch.autograd.grad((y.double() * dy).sum() + (y_t.double() * dy_t).sum(), (x, x_t))
+        return [y, y_t, *g1, *g2]
+
+    def plain(x):
+        return _activation.reference(x, kind)
+
+    ref = run(plain, x.double(), x_t.double())
+    tols = [2 * _check.rel_err(s, r) + FLOOR[dtype] for s, r in zip(run(plain, x, x_t), ref)]
+    got = run(ACTIVATIONS[kind], x, x_t)
+    assert got[0].dtype == got[1].dtype == dtype
+    _assert_all(f"{kind} {dtype}", got, ref, tols)
+    fused = norm_path == "fused"
+    assert launches == {"fwd": 0, "bwd": 0, "act": int(fused)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("gate_shape", ["(B,1,D)", "(D,)", "(B,L,D)", "(L,D)", "(B,L,1) plain"])
+def test_gated_residual_matches_float64(gate_shape, dtype, norm_path, monkeypatch):
+    """x + gate * y with the residual stream in float32 and gate, y in ``dtype`` (a DiT
+    under autocast): out, out_t and both backward passes against float64; a gate varying
+    along the rows only ((B, L, 1)) takes the plain ops."""
+    if dtype not in _utils.kernel_dtypes(torch.device(DEVICE)) and norm_path == "fused":
+        pytest.skip("the interpreter computes bfloat16 wrongly")
+    if norm_path == "plain":
+        monkeypatch.setattr(_residual, "fusable_context", lambda: False)
+    calls = []
+    real = _residual.dual_apply
+    monkeypatch.setattr(_residual, "dual_apply", lambda *a: calls.append(1) or real(*a))
+    B, L, D = 3, 7, 40
+    gshape = {"(B,1,D)": (B, 1, D), "(D,)": (D,), "(B,L,D)": (B, L, D), "(L,D)": (L, D),
+              "(B,L,1) plain": (B, L, 1)}  # fmt: skip
+    inputs = [randn(B, L, D), randn(*gshape[gate_shape], dtype=dtype), randn(B, L, D, dtype=dtype)]
+    tangents = [randn(*t.shape, dtype=t.dtype) for t in inputs]
+    dout, dout_t = randn(B, L, D, dtype=torch.float64), randn(B, L, D, dtype=torch.float64)
+
+    def run(fn, inputs, tangents):
+        xs = [t.detach().requires_grad_() for t in inputs]
+        ts = [t.detach().requires_grad_() for t in tangents]
+        out, out_t = torch.func.jvp(fn, tuple(xs), tuple(ts))
+        g1 = torch.autograd.grad((out.double() * dout).sum(), xs, retain_graph=True)
+        g2 = torch.autograd.grad((out.double() * dout).sum() + (out_t.double() * dout_t).sum(),
+                                 xs + ts)  # fmt: skip
+        return [out, out_t, *g1, *g2]
+
+    def plain(x, g, y):
+        return x + g * y
+
+    ref = run(plain, [_f64(t) for t in inputs], [_f64(t) for t in tangents])
+    tols = [2 * _check.rel_err(s, r) + FLOOR[dtype]
+            for s, r in zip(run(plain, inputs, tangents), ref)]  # fmt: skip
+    got = run(FN.gated_residual, inputs, tangents)
+    assert got[0].dtype == got[1].dtype == torch.float32
+    _assert_all(f"gated residual {gate_shape} {dtype}", got, ref, tols)
+    assert len(calls) == (norm_path == "fused" and gate_shape != "(B,L,1) plain")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_float64(bias, dtype, monkeypatch):
+    """y, y_t and the backward through y and through (y, y_t) against float64, through the
+    one Function (counted), on a strided input."""
+    calls = []
+    real = _linear.dual_apply
+    monkeypatch.setattr(_linear, "dual_apply", lambda *a: calls.append(1) or real(*a))
+    x = randn(5, 3, 24, dtype=dtype).transpose(0, 1)
+    w, b = randn(17, 24, dtype=dtype), randn(17, dtype=dtype) if bias else None
+    x_t = randn(*x.shape, dtype=dtype)
+    dy, dy_t = randn(3, 5, 17, dtype=torch.float64), randn(3, 5, 17, dtype=torch.float64)
+
+    def run(fn, x, x_t, w, b):
+        leaves = [t if t is None else t.detach().requires_grad_() for t in (x, w, b)]
+        x, w, b = leaves
+        x_t = x_t.detach().requires_grad_()
+        y, y_t = torch.func.jvp(lambda x: fn(x, w, b), (x,), (x_t,))
+        wrt = [t for t in leaves if t is not None]
+        g1 = torch.autograd.grad((y.double() * dy).sum(), wrt, retain_graph=True)
+        g2 = torch.autograd.grad((y.double() * dy).sum() + (y_t.double() * dy_t).sum(),
+                                 [*wrt, x_t])  # fmt: skip
+        return [y, y_t, *g1, *g2]
+
+    ref = run(torch.nn.functional.linear, *(_f64(t) for t in (x, x_t, w, b)))
+    same = run(torch.nn.functional.linear, x, x_t, w, b)
+    tols = [2 * _check.rel_err(s, r) + FLOOR[dtype] for s, r in zip(same, ref)]
+    assert not calls
+    got = run(FN.linear, x, x_t, w, b)
+    assert calls == [1]
+    assert got[0].dtype == got[1].dtype == dtype
+    _assert_all(f"linear {dtype} bias {bias}", got, ref, tols)
+    assert torch.equal(FN.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+def test_strided_input(layout, norm_path):
+    """Inputs whose rows are not contiguous (a transposed view, a slice of the width)."""
+    base = randn(4, 33, 20) if layout == "transposed" else randn(4, 6, 50)
+    x = base.transpose(1, 2) if layout == "transposed" else base[..., 5:38]
+    w = randn(x.shape[-1])
+    x_t = randn(*x.shape)
+    y, y_t = torch.func.jvp(lambda x: _call("rms", x, w, None, None, None), (x,), (x_t,))
+    y64, y_t64 = torch.func.jvp(lambda x: _ref64("rms", x, w.double(), None, None, None),
+                                (x.double(),), (x_t.double(),))  # fmt: skip
+    assert _check.rel_err(y, y64) < 1e-5 and _check.rel_err(y_t, y_t64) < 1e-5
+
+
+def test_errors():
+    x = randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"normalized_shape \[6\].*size \[2, 3, 8\]"):
+        FN.layer_norm(x, 6)
+    with pytest.raises(ValueError, match=r"expected weight of shape \[8\], but got \[4\]"):
+        FN.layer_norm(x, 8, randn(4))
+    with pytest.raises(ValueError, match=r"shift of shape \[3, 1, 8\] does not broadcast"):
+        FN.rms_norm(x, 8, shift=randn(3, 1, 8))
+    with pytest.raises(TypeError, match="floating-point input"):
+        FN.rms_norm(torch.ones(2, 8, dtype=torch.int64), 8)
+    with pytest.raises(TypeError, match="expected scale to be a Tensor or None, but got float"):
+        FN.layer_norm(x, 8, scale=0.5)
+    with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh', but got 'erf'"):
+        FN.gelu(x, approximate="erf")
+    with pytest.raises(TypeError, match="silu: expected input to be a Tensor, but got list"):
+        FN.silu([1.0])
+    with pytest.raises(
+        TypeError, match="subclasses of nn.LayerNorm, .* or flash_jvp.nn.GatedResidual, got .*ReLU"
+    ):
+        fnn.convert(nn.ReLU(), types=(nn.ReLU,))
+
+
+class _PlainLayerNorm(nn.LayerNorm):
+    """A subclass computing the same function (a user's own, listed in ``types``)."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+class _OtherNorm(nn.LayerNorm):
+    """A subclass with a different function: never converted unless listed."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_convert_and_revert(norm_path):
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = nn.Sequential(nn.Linear(24, 24), nn.LayerNorm(24), nn.GELU("tanh"),
+                              nn.RMSNorm(24), _PlainLayerNorm(24), _OtherNorm(24), nn.SiLU(),
+                              nn.Linear(24, 24))  # fmt: skip
+    for m in model.modules():  # non-trivial affine parameters
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            with torch.no_grad():
+                m.weight.add_(torch.randn_like(m.weight))
+    params = list(model.parameters())
+    x, x_t = randn(3, 5, 24), randn(3, 5, 24)
+    y0, y0_t = torch.func.jvp(model, (x,), (x_t,))
+    g0 = torch.autograd.grad((y0 * y0_t.detach()).sum(), params)
+    classes = [type(m) for m in model]
+    assert fnn.convert(model, types=(_PlainLayerNorm,)) is model
+    fused = [fnn.Linear, fnn.LayerNorm, fnn.GELU, fnn.RMSNorm, fnn.LayerNorm, _OtherNorm,
+             fnn.SiLU, fnn.Linear]  # fmt: skip
+    assert [type(m) for m in model] == fused
+    assert list(model.parameters()) == params  # the same Parameter objects
+    y1, y1_t = torch.func.jvp(model, (x,), (x_t,))
+    g1 = torch.autograd.grad((y1 * y1_t.detach()).sum(), params)
+    for a, b in zip((y1, y1_t, *g1), (y0, y0_t, *g0)):
+        assert _check.rel_err(a, b.double()) < 1e-5
+    assert fnn.revert(model) is model
+    assert [type(m) for m in model] == classes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_autocast_cuda_graph_and_compile(kind):
+    """bf16 autocast (float32 out, as autocast runs norms), a CUDA graph replay equal to the
+    eager call, and torch.compile of torch.func.jvp (the plain-op path) with the same
+    tangent as eager."""
+    x, w, b, shift, scale = _case(kind, "weight+bias", "(B,1,D)", (4, 64, 1152), torch.float32)
+    x, x_t, scale_t = x.bfloat16(), randn(*x.shape, dtype=torch.bfloat16), randn(*scale.shape)
+
+    def step(x, x_t, scale_t):
+        with torch.autocast("cuda", torch.bfloat16):
+            return torch.func.jvp(lambda x, s: _call(kind, x, w, b, shift, s), (x, scale),
+                                  (x_t, scale_t))  # fmt: skip
+
+    y, y_t = step(x, x_t, scale_t)
+    assert y.dtype == y_t.dtype == torch.float32
+    y64, y_t64 = torch.func.jvp(
+        lambda x, s: _ref64(kind, x, *(_f64(t) for t in (w, b, shift)), s),
+        (x.double(), scale.double()), (x_t.double(), scale_t.double()),
+    )  # fmt: skip
+    assert _check.rel_err(y, y64) < 1e-5 and _check.rel_err(y_t, y_t64) < 1e-5
+    graph = torch.cuda.CUDAGraph()
+    step(x, x_t, scale_t)  # warm-up outside the capture (compiles the kernels)
+    with torch.cuda.graph(graph):
+        static = step(x, x_t, scale_t)
+    graph.replay()
+    assert torch.equal(static[0], y) and torch.equal(static[1], y_t)
+    compiled = torch.compile(step, fullgraph=True)(x, x_t, scale_t)
+    assert _check.rel_err(compiled[1], y_t64) < 1e-5
+
+
+@pytest.mark.gpu
+def test_linear_under_autocast_equals_torch():
+    """bf16 autocast with fp32 weights: y, y_t in bf16 and the fp32 gradients of W, b and
+    x equal torch's own autocast linear (the same casts and GEMMs)."""
+    x, x_t = randn(64, 300, 1152), randn(64, 300, 1152)
+    w, b = randn(3456, 1152, std=0.03).requires_grad_(), randn(3456).requires_grad_()
+    dy = randn(64, 300, 3456, dtype=torch.bfloat16)
+
+    def run(fn):
+        x_ = x.clone().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y, y_t = torch.func.jvp(lambda x: fn(x, w, b), (x_,), (x_t,))
+        return [y, y_t, *torch.autograd.grad((y * dy).sum(), (x_, w, b))]
+
+    got, ref = run(FN.linear), run(torch.nn.functional.linear)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype
+        assert _check.rel_err(g, r.double()) < 1e-2
