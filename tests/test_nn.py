@@ -324,6 +324,22 @@ def test_linear_matches_float64(bias, dtype, monkeypatch):
     assert torch.equal(FN.linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
+def test_tracing_and_fake_tensors_take_the_plain_ops(launches):
+    """torch.jit.trace records plain ops (replayable on new inputs); under FakeTensorMode
+    (what torch.compile's tracing uses) no kernel is launched on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device(DEVICE):
+        model = fnn.convert(nn.Sequential(nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8)))
+    traced = torch.jit.trace(model, (randn(4, 16),), check_trace=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = model(torch.empty(3, 16, device=DEVICE))
+    assert y.shape == (3, 8)
+    assert launches == {"fwd": 0, "bwd": 0, "act": 0}
+    x = randn(5, 16)
+    assert _check.rel_err(traced(x), model(x).double()) < 1e-6
+
+
 @pytest.mark.parametrize("layout", ["transposed", "sliced"])
 def test_strided_input(layout, norm_path):
     """Inputs whose rows are not contiguous (a transposed view, a slice of the width)."""

@@ -27,7 +27,6 @@ def activation(x: Tensor, kind: str) -> Tensor:
     """``kind`` ("gelu", "gelu_tanh", "silu") of x: the fused Function where it applies
     (kernels on x's device, x's dtype theirs, eager, at most one torch.func.jvp around),
     else :func:`reference`."""
-    x_t = None
     if not (HAS_TRITON and x.numel() and uses_kernels(x.device) and fusable_context()
             and x.dtype in kernel_dtypes(x.device)):  # fmt: skip
         return reference(x, kind)

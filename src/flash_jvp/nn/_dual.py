@@ -29,9 +29,11 @@ Tensor = torch.Tensor
 def fusable_context() -> bool:
     """Whether a fused layer may run its Function here: eagerly (torch.compile traces the
     plain-op path, which Inductor fuses itself and whose tangents it keeps: Dynamo drops an
-    autograd.Function's ``jvp``), with no torch.func transform or only one
-    ``torch.func.jvp`` around the call (vmap, grad and nested jvp take the plain ops)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    autograd.Function's ``jvp``; torch.jit.trace and dispatch modes such as fake tensors see
+    plain ops too), with no torch.func transform or only one ``torch.func.jvp`` around the
+    call (vmap, grad and nested jvp take the plain ops)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._get_tracing_state() is not None):  # fmt: skip
         return False
     stack = get_interpreter_stack()
     return not stack or (len(stack) == 1 and stack[0].key() == TransformType.Jvp)
