@@ -353,6 +353,45 @@ def test_strided_input(layout, norm_path):
     assert _check.rel_err(y, y64) < 1e-5 and _check.rel_err(y_t, y_t64) < 1e-5
 
 
+def test_review_cases(norm_path):
+    """Strided weight / bias, 0-dim modulation and gate, RMSNorm's default eps for fp16,
+    output dtypes under CPU autocast and for float64 (torch's own rules)."""
+    x = randn(2, 3, 8)
+    w, b = randn(16)[::2], randn(16)[::2]
+    ref = torch.nn.functional.layer_norm(x, (8,), w, b)
+    assert _check.rel_err(FN.layer_norm(x, 8, w, b), ref.double()) < 1e-5
+    ref = torch.nn.functional.rms_norm(x, (8,), w, 1e-5)
+    assert _check.rel_err(FN.rms_norm(x, 8, w, 1e-5), ref.double()) < 1e-5
+    half = torch.tensor(0.5)
+    assert _check.rel_err(FN.gated_residual(x, half, x), (1.5 * x).double()) < 1e-6
+    shifted = torch.nn.functional.layer_norm(x, (8,)) + 0.5
+    assert _check.rel_err(FN.layer_norm(x, 8, shift=half), shifted.double()) < 1e-5
+    small = randn(4, 16, dtype=torch.float16, std=1e-2)
+    norm = nn.RMSNorm(16).to(DEVICE, torch.float16)
+    ref = norm(small)
+    assert _check.rel_err(fnn.convert(norm)(small), ref.double()) < 2e-3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for t in (randn(2, 8, dtype=torch.float16), randn(2, 8, dtype=torch.float64)):
+            assert FN.layer_norm(t, 8).dtype == torch.nn.functional.layer_norm(t, (8,)).dtype
+            assert FN.rms_norm(t, 8).dtype == t.dtype
+
+
+def test_convert_edge_cases():
+    """A module parametrized after convert survives revert (left converted); converting
+    twice, or with a fused class in types, still reverts; a bare class as types."""
+    lin = fnn.convert(nn.Linear(8, 4))
+    torch.nn.utils.parametrizations.weight_norm(lin)
+    fnn.revert(lin)
+    assert lin(randn(3, 8)).shape == (3, 4)
+    model = nn.Sequential(nn.LayerNorm(8), _PlainLayerNorm(8))
+    fnn.convert(model)
+    fnn.convert(model, types=(fnn.LayerNorm, _PlainLayerNorm))
+    fnn.convert(model, types=_PlainLayerNorm)
+    assert type(model[0]) is fnn.LayerNorm and isinstance(model[1], _PlainLayerNorm)
+    fnn.revert(model)
+    assert [type(m) for m in model] == [nn.LayerNorm, _PlainLayerNorm]
+
+
 def test_errors():
     x = randn(2, 3, 8)
     with pytest.raises(ValueError, match=r"normalized_shape \[6\].*size \[2, 3, 8\]"):
@@ -365,6 +404,14 @@ def test_errors():
         FN.rms_norm(torch.ones(2, 8, dtype=torch.int64), 8)
     with pytest.raises(TypeError, match="expected scale to be a Tensor or None, but got float"):
         FN.layer_norm(x, 8, scale=0.5)
+    with pytest.raises(TypeError, match=r"normalized_shape to be an int or a sequence of ints"):
+        FN.layer_norm(x, 8.0)
+    with pytest.raises(TypeError, match=r"expected eps to be a float, but got None"):
+        FN.layer_norm(x, 8, eps=None)
+    with pytest.raises(TypeError, match=r"expected eps to be a float, but got 'a'"):
+        FN.rms_norm(x, 8, eps="a")
+    with pytest.raises(TypeError, match=r"floating-point weight, but got torch.int64"):
+        FN.layer_norm(x, 8, torch.ones(8, dtype=torch.int64))
     with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh', but got 'erf'"):
         FN.gelu(x, approximate="erf")
     with pytest.raises(TypeError, match="silu: expected input to be a Tensor, but got list"):
@@ -380,6 +427,9 @@ class _PlainLayerNorm(nn.LayerNorm):
 
     def forward(self, x):
         return super().forward(x)
+
+    def same(self):
+        return "kept"
 
 
 class _OtherNorm(nn.LayerNorm):
@@ -405,9 +455,12 @@ def test_convert_and_revert(norm_path):
     g0 = torch.autograd.grad((y0 * y0_t.detach()).sum(), params)
     classes = [type(m) for m in model]
     assert fnn.convert(model, types=(_PlainLayerNorm,)) is model
-    fused = [fnn.Linear, fnn.LayerNorm, fnn.GELU, fnn.RMSNorm, fnn.LayerNorm, _OtherNorm,
-             fnn.SiLU, fnn.Linear]  # fmt: skip
-    assert [type(m) for m in model] == fused
+    fused = [fnn.Linear, fnn.LayerNorm, fnn.GELU, fnn.RMSNorm, None, _OtherNorm, fnn.SiLU,
+             fnn.Linear]  # fmt: skip
+    assert [type(m) for i, m in enumerate(model) if i != 4] == fused[:4] + fused[5:]
+    # a subclass named in types keeps its class (and methods), with the fused forward
+    assert isinstance(model[4], _PlainLayerNorm) and model[4].same() == "kept"
+    assert type(model[4]).forward is fnn.LayerNorm.forward
     assert list(model.parameters()) == params  # the same Parameter objects
     y1, y1_t = torch.func.jvp(model, (x,), (x_t,))
     g1 = torch.autograd.grad((y1 * y1_t.detach()).sum(), params)

@@ -90,25 +90,40 @@ _FUSED = {nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm, nn.GELU: GELU, nn.SiLU: 
           nn.Linear: Linear, GatedResidual: GatedResidual}  # fmt: skip
 
 
+_SUBCLASSES: dict[type, type] = {}
+
+
 def _fused_class(module: nn.Module, types: tuple[type, ...]) -> type | None:
+    """The class a module of ``type(module)`` becomes: the fused layer for the torch.nn
+    classes; for a subclass named in ``types``, a subclass of it with the fused forward (so
+    its own methods and isinstance checks still hold)."""
     cls = type(module)
     if cls in _FUSED:
         return _FUSED[cls]
-    if cls in types:
-        return next((f for base, f in _FUSED.items() if issubclass(cls, base)), None)
-    return None
+    if cls not in types:
+        return None
+    if cls not in _SUBCLASSES:
+        fused = next(f for base, f in _FUSED.items() if issubclass(cls, base))
+        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"forward": fused.forward,
+                                                       "__module__": cls.__module__})  # fmt: skip
+    return _SUBCLASSES[cls]
 
 
 def convert(model: nn.Module, types: tuple[type, ...] = ()) -> nn.Module:
     """Swap every ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GELU``, ``nn.SiLU`` and ``nn.Linear``
     in ``model`` (and modules of the subclasses named in ``types``, which must compute the
-    same function: a subclass with its own forward is otherwise left alone) for the fused
-    layer, in place:
-    the module objects stay (parameters, hooks, device, dtype); only their class changes.
-    Returns the model. :func:`revert` restores the original classes.
+    same function: a subclass with its own forward is otherwise left alone, as is any other
+    subclass, e.g. a parametrized module) for the fused layer, in place: the module objects
+    stay (parameters, hooks, device, dtype); only their class changes (a subclass in
+    ``types`` becomes a subclass of itself with the fused forward). Modules already
+    converted are left as they are. Returns the model. :func:`revert` restores the original
+    classes (do that before pickling a whole model converted with ``types``: those
+    subclasses are made at run time; ``state_dict`` is unaffected).
 
-    Raises: TypeError when a class in ``types`` is not a subclass of one of those.
+    Raises: TypeError when ``types`` holds something other than subclasses of those classes
+    (or of :class:`GatedResidual`).
     """
+    types = (types,) if isinstance(types, type) else tuple(types)
     for t in types:
         if not (isinstance(t, type) and issubclass(t, tuple(_FUSED))):
             raise TypeError(
@@ -116,17 +131,22 @@ def convert(model: nn.Module, types: tuple[type, ...] = ()) -> nn.Module:
                 f"nn.SiLU, nn.Linear or flash_jvp.nn.GatedResidual, got {t!r}"
             )
     for m in model.modules():
-        fused = _fused_class(m, tuple(types))
+        if "_flash_jvp_original" in m.__dict__:
+            continue
+        fused = _fused_class(m, types)
         if fused is not None:
             m._flash_jvp_original = type(m)
+            m._flash_jvp_fused = fused
             m.__class__ = fused
     return model
 
 
 def revert(model: nn.Module) -> nn.Module:
-    """Undo :func:`convert`: every converted module gets its original class back."""
+    """Undo :func:`convert`: every converted module gets its original class back. A module
+    whose class changed since (e.g. ``torch.nn.utils.parametrize`` made a subclass of it)
+    stays as it is: swapping its class back would drop that change."""
     for m in model.modules():
-        original = m.__dict__.pop("_flash_jvp_original", None)
-        if original is not None:
-            m.__class__ = original
+        if type(m) is m.__dict__.get("_flash_jvp_fused"):
+            m.__class__ = m.__dict__.pop("_flash_jvp_original")
+            del m.__dict__["_flash_jvp_fused"]
     return model

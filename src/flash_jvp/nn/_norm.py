@@ -38,7 +38,7 @@ def group_dims(x: Tensor, mods: list[Tensor]) -> int | None:
     k = 0
     lead = x.shape[:-1]
     for m in mods:
-        if m.dim() > x.dim() or m.shape[-1] != x.shape[-1]:
+        if m.dim() == 0 or m.dim() > x.dim() or m.shape[-1] != x.shape[-1]:
             return None
         shape = (1,) * (x.dim() - m.dim()) + tuple(m.shape[:-1])
         sized = [i for i, n in enumerate(shape) if n != 1]
@@ -61,6 +61,11 @@ def as_groups(m: Tensor | None, lead: tuple[int, ...]) -> Tensor | None:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def unit_stride(t: Tensor | None) -> Tensor | None:
+    """A (D,) parameter with unit stride, as the kernels read it (a copy of a strided view)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def row_stride(m: Tensor | None) -> int:
     return 0 if m is None else m.stride(0)
 
@@ -75,33 +80,38 @@ def _from_groups(g: Tensor | None, like: Tensor, spec: NormSpec) -> Tensor | Non
 
 
 def reference(x, weight, bias, shift, scale, rms: bool, eps: float, dims: int, out_dtype):
-    """The norm in plain differentiable ops, in at least float32 (any normalized rank,
-    any broadcasting modulation): the fallback, the torch.compile path and the reference of
-    the backward through the tangent."""
+    """The norm in plain differentiable ops, all of it in at least float32 as the kernels
+    compute it (any normalized rank, any broadcasting modulation): the fallback, the
+    torch.compile path and the reference of the backward through the tangent."""
     work = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(work)
+
+    def wide(t):
+        return t.to(torch.promote_types(t.dtype, work))
+
+    xf = wide(x)
     axes = tuple(range(-dims, 0))
     if not rms:
         xf = xf - xf.mean(axes, keepdim=True)
     y = xf * torch.rsqrt(xf.square().mean(axes, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight
+        y = y * wide(weight)
     if bias is not None:
-        y = y + bias
+        y = y + wide(bias)
     if scale is not None:
-        y = y * (1 + scale)
+        y = y * (1 + wide(scale))
     if shift is not None:
-        y = y + shift
+        y = y + wide(shift)
     return y.to(out_dtype)
 
 
 def out_dtype(x: Tensor, shift: Tensor | None, scale: Tensor | None) -> torch.dtype:
     """As ``F.layer_norm`` followed by the modulation's ops: x's dtype promoted with the
-    modulation's; float32 under autocast, which runs layer_norm and rms_norm in float32."""
-    if torch.is_autocast_enabled(x.device.type):
+    modulation's; float32 for fp16 / bf16 / fp32 x under CUDA autocast, which runs
+    layer_norm and rms_norm in float32 (CPU autocast and float64 leave the dtype)."""
+    dtype = x.dtype
+    if (x.device.type == "cuda" and torch.is_autocast_enabled("cuda")
+            and dtype in (torch.float16, torch.bfloat16)):  # fmt: skip
         dtype = torch.float32
-    else:
-        dtype = x.dtype
     for m in (shift, scale):
         if m is not None:
             dtype = torch.promote_types(dtype, m.dtype)
@@ -162,6 +172,7 @@ def fwd(x, x_t, weight, bias, shift, scale, shift_t, scale_t, spec: NormSpec, ta
     from ..kernels.norm import norm_fwd_kernel
 
     rows, rows_t = rows_of(x), None if x_t is None else rows_of(x_t)
+    weight, bias = unit_stride(weight), unit_stride(bias)
     n, d = rows.shape
     y = _plans.allocate((n, d), x.device, spec.out_dtype)
     y_t = _plans.allocate((n, d), x.device, spec.out_dtype) if tangent_out else None
@@ -190,6 +201,7 @@ def bwd(dy, x, rstd, weight, bias, shift, scale, spec: NormSpec, need) -> list:
     from ..kernels.norm import norm_bwd_kernel
 
     rows, drows = rows_of(x), rows_of(dy)
+    weight, bias = unit_stride(weight), unit_stride(bias)
     n, d = rows.shape
     per_group = n // spec.groups
     chunk = max(1, min(per_group, -(-n // TARGET_PROGRAMS)))

@@ -24,11 +24,17 @@ def gated_residual(x: Tensor, gate: Tensor, y: Tensor) -> Tensor:
             or not uses_kernels(x.device) or not fusable_context()
             or any(t.dtype not in kernel_dtypes(x.device) or t.device != x.device
                    for t in tensors)):  # fmt: skip
-        return x + gate * y
+        return reference(x, gate, y, dtype)
     tangents = [tangent(t) for t in tensors]
     if any(t is not None and t.dtype != p.dtype for t, p in zip(tangents, tensors)):
-        return x + gate * y
+        return reference(x, gate, y, dtype)
     return dual_apply(GatedResidualFn, list(tensors), tangents, tuple(x.shape[:k]), dtype)
+
+
+def reference(x: Tensor, gate: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
+    """x + gate * y in plain ops, in the result's dtype throughout (as the kernel computes
+    it, in float32 for a float32 residual stream with bf16 gate and update)."""
+    return x.to(dtype) + gate.to(dtype) * y.to(dtype)
 
 
 def fwd(x, gate, y, x_t, gate_t, y_t, lead, dtype, tangent_out: bool):

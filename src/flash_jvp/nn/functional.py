@@ -23,12 +23,17 @@ from ._residual import gated_residual as _gated_residual
 Tensor = torch.Tensor
 
 
-def _check(name: str, input: Tensor, normalized_shape, params: dict) -> int:
+def _check(name: str, input: Tensor, normalized_shape, eps, params: dict) -> int:
     """Validate as F.layer_norm does, plus the modulation tensors; returns the number of
     normalized dims."""
     if not isinstance(input, Tensor):
         raise TypeError(f"{name}: expected input to be a Tensor, but got {type(input).__name__}")
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+    if not (isinstance(shape, (tuple, list, torch.Size))
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):  # fmt: skip
+        raise TypeError(f"{name}: expected normalized_shape to be an int or a sequence of ints, "
+                        f"but got {normalized_shape!r}")  # fmt: skip
+    shape = tuple(shape)
     dims = len(shape)
     if dims == 0 or tuple(input.shape[-dims:]) != shape or input.dim() < dims:
         raise ValueError(
@@ -37,12 +42,16 @@ def _check(name: str, input: Tensor, normalized_shape, params: dict) -> int:
         )
     if not input.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point input, but got {input.dtype}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"{name}: expected eps to be a float, but got {eps!r}")
     for arg, t in params.items():
         if t is None:
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected {arg} to be a Tensor or None, but got "
                             f"{type(t).__name__}")  # fmt: skip
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point {arg}, but got {t.dtype}")
         if arg in ("weight", "bias") and tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected {arg} of shape {list(shape)}, but got "
                              f"{list(t.shape)}")  # fmt: skip
@@ -88,7 +97,7 @@ def layer_norm(
     formulas are in ``flash_jvp.kernels.norm``.
     """
     params = {"weight": weight, "bias": bias, "shift": shift, "scale": scale}
-    dims = _check("layer_norm", input, normalized_shape, params)
+    dims = _check("layer_norm", input, normalized_shape, eps, params)
     return norm(input, weight, bias, shift, scale, False, eps, dims)
 
 
@@ -102,12 +111,15 @@ def rms_norm(
     scale: Tensor | None = None,
 ) -> Tensor:
     """``F.rms_norm(input, normalized_shape, weight, eps) * (1 + scale) + shift``:
-    ``input / sqrt(mean(input^2) + eps) * weight``, eps None meaning
-    ``torch.finfo(input.dtype).eps`` as in ``F.rms_norm``. Arguments, returns and errors as
-    :func:`layer_norm`'s (no bias). Math: Zhang & Sennrich 2019 (RMSNorm)."""
+    ``input / sqrt(mean(input^2) + eps) * weight``, eps None meaning the machine epsilon of
+    the dtype it computes in (float32 for fp16 / bf16 input), as in ``F.rms_norm``.
+    Arguments, returns and errors as :func:`layer_norm`'s (no bias). Math: Zhang & Sennrich
+    2019 (RMSNorm)."""
     params = {"weight": weight, "shift": shift, "scale": scale}
-    dims = _check("rms_norm", input, normalized_shape, params)
-    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    # eps None: that of the dtype F.rms_norm computes in (at least float32)
+    if eps is None and isinstance(input, Tensor) and input.is_floating_point():
+        eps = torch.finfo(torch.promote_types(input.dtype, torch.float32)).eps
+    dims = _check("rms_norm", input, normalized_shape, eps, params)
     return norm(input, weight, None, shift, scale, True, eps, dims)
 
 
