@@ -23,6 +23,8 @@ each program accumulates over its chunk of rows and writes as one partial row.
 import triton
 import triton.language as tl
 
+from .rows import load_row, row_program
+
 
 @triton.jit
 def _normalize(x, cols, D, eps, RMS: tl.constexpr):
@@ -46,38 +48,33 @@ def norm_fwd_kernel(
     HAS_SCALE_T: tl.constexpr, TANGENT: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One row per program: y (and y_t with TANGENT) and rstd."""
-    row = tl.program_id(0).to(tl.int64)
-    group = row // ROWS
-    cols = tl.arange(0, BLOCK_D)
-    inside = cols < D
-    x = tl.load(X + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    row, group, cols, inside = row_program(ROWS, D, BLOCK_D)
+    x = load_row(X, row * stride_x, cols, inside)
     xhat, rstd = _normalize(x, cols, D, eps, RMS)
     tl.store(RSTD + row, rstd)
-    w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32) if HAS_W else 1.0
+    w = load_row(W, 0, cols, inside) if HAS_W else 1.0
     n = xhat * w
     if HAS_B:
-        n += tl.load(B + cols, mask=inside, other=0.0).to(tl.float32)
+        n += load_row(B, 0, cols, inside)
     gain = 1.0
     if HAS_SCALE:
-        gain += tl.load(SCALE + group * stride_sc + cols, mask=inside, other=0.0).to(tl.float32)
+        gain += load_row(SCALE, group * stride_sc, cols, inside)
     y = n * gain
     if HAS_SHIFT:
-        y += tl.load(SHIFT + group * stride_sh + cols, mask=inside, other=0.0).to(tl.float32)
+        y += load_row(SHIFT, group * stride_sh, cols, inside)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=inside)
     if TANGENT:
         y_t = tl.zeros([BLOCK_D], dtype=tl.float32)
         if HAS_X_T:
-            x_t = tl.load(X_T + row * stride_xt + cols, mask=inside, other=0.0).to(tl.float32)
+            x_t = load_row(X_T, row * stride_xt, cols, inside)
             if not RMS:
                 x_t = tl.where(inside, x_t - tl.sum(x_t, axis=0) / D, 0.0)
             xhat_t = rstd * (x_t - xhat * (tl.sum(xhat * x_t, axis=0) / D))
             y_t += xhat_t * w * gain
         if HAS_SCALE_T:
-            scale_t = tl.load(SCALE_T + group * stride_sct + cols, mask=inside, other=0.0)
-            y_t += n * scale_t.to(tl.float32)
+            y_t += n * load_row(SCALE_T, group * stride_sct, cols, inside)
         if HAS_SHIFT_T:
-            shift_t = tl.load(SHIFT_T + group * stride_sht + cols, mask=inside, other=0.0)
-            y_t += shift_t.to(tl.float32)
+            y_t += load_row(SHIFT_T, group * stride_sht, cols, inside)
         tl.store(Y_T + row * stride_yt + cols, y_t.to(Y_T.dtype.element_ty), mask=inside)
 
 
@@ -100,10 +97,10 @@ def norm_bwd_kernel(
     first = (pid % CHUNKS) * CHUNK
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
-    w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32) if HAS_W else 1.0
+    w = load_row(W, 0, cols, inside) if HAS_W else 1.0
     gain = 1.0
     if HAS_SCALE:
-        gain += tl.load(SCALE + group * stride_sc + cols, mask=inside, other=0.0).to(tl.float32)
+        gain += load_row(SCALE, group * stride_sc, cols, inside)
     acc_shift = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc_scale = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc_w = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -112,8 +109,8 @@ def norm_bwd_kernel(
         r = first + i
         live = inside & (r < ROWS)
         row = (group * ROWS + r).to(tl.int64)
-        dy = tl.load(DY + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
-        x = tl.load(X + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+        dy = load_row(DY, row * stride_dy, cols, live)
+        x = load_row(X, row * stride_x, cols, live)
         rstd = tl.load(RSTD + row, mask=r < ROWS, other=0.0)
         if RMS:
             xhat = x * rstd
@@ -125,7 +122,7 @@ def norm_bwd_kernel(
         if NEED_SCALE:
             n = xhat * w
             if HAS_B:
-                n += tl.load(B + cols, mask=inside, other=0.0).to(tl.float32)
+                n += load_row(B, 0, cols, inside)
             acc_scale += dy * n
         if NEED_W:
             acc_w += dn * xhat

@@ -10,6 +10,8 @@ elementwise torch (dx = dout, dy = dout * gate, dgate = sum of dout * y over the
 import triton
 import triton.language as tl
 
+from .rows import load_row, row_program
+
 
 @triton.jit
 def gated_residual_kernel(
@@ -20,22 +22,17 @@ def gated_residual_kernel(
     TANGENT: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One row per program: out (and out_t with TANGENT), in float32."""
-    row = tl.program_id(0).to(tl.int64)
-    group = row // ROWS
-    cols = tl.arange(0, BLOCK_D)
-    inside = cols < D
-    x = tl.load(X + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-    g = tl.load(G + group * stride_g + cols, mask=inside, other=0.0).to(tl.float32)
-    y = tl.load(Y + row * stride_y + cols, mask=inside, other=0.0).to(tl.float32)
+    row, group, cols, inside = row_program(ROWS, D, BLOCK_D)
+    x = load_row(X, row * stride_x, cols, inside)
+    g = load_row(G, group * stride_g, cols, inside)
+    y = load_row(Y, row * stride_y, cols, inside)
     tl.store(OUT + row * stride_o + cols, (x + g * y).to(OUT.dtype.element_ty), mask=inside)
     if TANGENT:
         out_t = tl.zeros([BLOCK_D], dtype=tl.float32)
         if HAS_X_T:
-            out_t += tl.load(X_T + row * stride_xt + cols, mask=inside, other=0.0).to(tl.float32)
+            out_t += load_row(X_T, row * stride_xt, cols, inside)
         if HAS_G_T:
-            g_t = tl.load(G_T + group * stride_gt + cols, mask=inside, other=0.0)
-            out_t += g_t.to(tl.float32) * y
+            out_t += load_row(G_T, group * stride_gt, cols, inside) * y
         if HAS_Y_T:
-            y_t = tl.load(Y_T + row * stride_yt + cols, mask=inside, other=0.0)
-            out_t += g * y_t.to(tl.float32)
+            out_t += g * load_row(Y_T, row * stride_yt, cols, inside)
         tl.store(OUT_T + row * stride_ot + cols, out_t.to(OUT_T.dtype.element_ty), mask=inside)
