@@ -4,6 +4,8 @@ through the tangent; convert / revert; the paths that fall back to plain ops."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import CUDA, DEVICE, DTYPE_IDS, DTYPES, randn
@@ -374,6 +376,50 @@ def test_review_cases(norm_path):
         for t in (randn(2, 8, dtype=torch.float16), randn(2, 8, dtype=torch.float64)):
             assert FN.layer_norm(t, 8).dtype == torch.nn.functional.layer_norm(t, (8,)).dtype
             assert FN.rms_norm(t, 8).dtype == t.dtype
+
+
+class _Block(nn.Module):
+    """A small adaLN block of every fused layer: modulated LayerNorm, GELU, SiLU, Linear and
+    the gated residual."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, 3 * d))
+        self.norm = fnn.LayerNorm(d, elementwise_affine=False)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU("tanh"), nn.Linear(2 * d, d))
+        self.res = fnn.GatedResidual()
+
+    def forward(self, x, c):
+        shift, scale, gate = self.ada(c)[:, None].chunk(3, -1)
+        return self.res(x, gate, self.mlp(self.norm(x, shift, scale)))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_jvp_values(backend):
+    """torch.compile(fullgraph=True) of torch.func.jvp through a converted block (the
+    plain-op path) gives the eager tangent and parameter gradients and float64's: not the
+    zero tangent Dynamo gives for an autograd.Function's jvp."""
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        block = fnn.convert(_Block())
+    ref64 = copy.deepcopy(block).double()
+    x, c, x_t, c_t = randn(2, 5, 16), randn(2, 16), randn(2, 5, 16), randn(2, 16)
+
+    def step(model, x, c, x_t, c_t):
+        y, y_t = torch.func.jvp(model, (x, c), (x_t, c_t))
+        return y, y_t, (y * y_t.detach()).sum()
+
+    def run(fn, model, *args):
+        y, y_t, loss = fn(model, *args)
+        return [y, y_t, *torch.autograd.grad(loss, list(model.parameters()))]
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    got = run(compiled, block, x, c, x_t, c_t)
+    eager = run(step, block, x, c, x_t, c_t)
+    ref = run(step, ref64, *(t.double() for t in (x, c, x_t, c_t)))
+    assert got[1].abs().max() > 0
+    for g, e, r in zip(got, eager, ref):
+        assert _check.rel_err(g, r) < 1e-5 and _check.rel_err(e, r) < 1e-5
 
 
 def test_convert_edge_cases():

@@ -28,8 +28,11 @@ class NormSpec:
     rms: bool
     eps: float
     out_dtype: torch.dtype
-    groups: int
     lead: tuple[int, ...]  # x.shape[:k], the dims the modulation varies over
+
+    @property
+    def groups(self) -> int:
+        return math.prod(self.lead)
 
 
 def group_dims(x: Tensor, mods: list[Tensor]) -> int | None:
@@ -127,7 +130,7 @@ def norm(x, weight, bias, shift, scale, rms: bool, eps: float, dims: int) -> Ten
     if k is None or not _fusable(x, weight, bias, mods, dtype):
         return reference(x, weight, bias, shift, scale, rms, eps, dims, dtype)
     lead = tuple(x.shape[:k])
-    spec = NormSpec(rms, float(eps), dtype, math.prod(lead), lead)
+    spec = NormSpec(rms, float(eps), dtype, lead)
     tangents = [tangent(x), tangent(shift), tangent(scale)]
     if (tangent(weight) is not None or tangent(bias) is not None
             or any(t is not None and t.dtype != p.dtype
@@ -156,7 +159,7 @@ def rows_of(x: Tensor) -> Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _width_config(d: int) -> tuple[int, int]:
+def width_config(d: int) -> tuple[int, int]:
     """BLOCK_D (the next power of two) and num_warps for rows of width d."""
     block = 1 << max(d - 1, 0).bit_length()
     return block, 4 if block <= 1024 else 8 if block <= 4096 else 16
@@ -178,7 +181,7 @@ def fwd(x, x_t, weight, bias, shift, scale, shift_t, scale_t, spec: NormSpec, ta
     y_t = _plans.allocate((n, d), x.device, spec.out_dtype) if tangent_out else None
     rstd = _plans.allocate((n,), x.device, torch.float32)
     mods = [as_groups(m, spec.lead) for m in (shift, scale, shift_t, scale_t)]
-    block, warps = _width_config(d)
+    block, warps = width_config(d)
     with on_device(x):
         norm_fwd_kernel[(n,)](
             rows, rows if rows_t is None else rows_t, y, y if y_t is None else y_t, rstd,
@@ -215,7 +218,7 @@ def bwd(dy, x, rstd, weight, bias, shift, scale, spec: NormSpec, need) -> list:
                            ("b", need_b))
     }  # fmt: skip
     mods = [as_groups(m, spec.lead) for m in (shift, scale)]
-    block, warps = _width_config(d)
+    block, warps = width_config(d)
     with on_device(x):
         norm_bwd_kernel[(programs,)](
             drows, rows, rstd, rows if dx is None else dx,
@@ -250,8 +253,7 @@ class NormFn(_Function):
     @staticmethod
     def forward(x, weight, bias, shift, scale, x_t, shift_t, scale_t, spec: NormSpec):
         has_t = any(t is not None for t in (x_t, shift_t, scale_t))
-        y, y_t, rstd = fwd(x, x_t, weight, bias, shift, scale, shift_t, scale_t, spec, has_t)
-        return y, y_t, rstd
+        return fwd(x, x_t, weight, bias, shift, scale, shift_t, scale_t, spec, has_t)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -9,7 +9,15 @@ from .. import _plans
 from .._function import _Function
 from .._utils import HAS_TRITON, kernel_dtypes, uses_kernels
 from ._dual import dual_apply, fusable_context, tangent
-from ._norm import MAX_WIDTH, as_groups, group_dims, on_device, row_stride, rows_of
+from ._norm import (
+    MAX_WIDTH,
+    as_groups,
+    group_dims,
+    on_device,
+    row_stride,
+    rows_of,
+    width_config,
+)
 
 Tensor = torch.Tensor
 
@@ -47,7 +55,7 @@ def fwd(x, gate, y, x_t, gate_t, y_t, lead, dtype, tangent_out: bool):
     n, d = rows.shape
     out = _plans.allocate((n, d), x.device, dtype)
     out_t = _plans.allocate((n, d), x.device, dtype) if tangent_out else None
-    block = 1 << max(d - 1, 0).bit_length()
+    block, warps = width_config(d)
     with on_device(x):
         gated_residual_kernel[(n,)](
             rows, g, rows_y, *(rows if t is None else t for t in (rows_xt, g_t, rows_yt)),
@@ -55,7 +63,7 @@ def fwd(x, gate, y, x_t, gate_t, y_t, lead, dtype, tangent_out: bool):
             rows.stride(0), g.stride(0), rows_y.stride(0),
             *(row_stride(t) for t in (rows_xt, g_t, rows_yt)), d, d, d, n // g.shape[0],
             HAS_X_T=rows_xt is not None, HAS_G_T=g_t is not None, HAS_Y_T=rows_yt is not None,
-            TANGENT=tangent_out, BLOCK_D=block, num_warps=4 if block <= 1024 else 8,
+            TANGENT=tangent_out, BLOCK_D=block, num_warps=warps,
         )  # fmt: skip
     return out.view(x.shape), None if out_t is None else out_t.view(x.shape)
 
@@ -71,12 +79,14 @@ class GatedResidualFn(_Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        x, gate, y, _, gate_t, y_t = inputs[:6]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*inputs[:6])
+        ctx.x_dtype = x.dtype  # x and x_t enter linearly: only their dtype is needed
+        ctx.save_for_backward(gate, y, gate_t, y_t)
 
     @staticmethod
     def backward(ctx, dout, dout_t):
-        x, gate, y, x_t, gate_t, y_t = ctx.saved_tensors
+        gate, y, gate_t, y_t = ctx.saved_tensors
         need = ctx.needs_input_grad
 
         def sum_to(t, like):
@@ -90,12 +100,12 @@ class GatedResidualFn(_Function):
 
         # out = x + gate y; out_t = x_t + gate_t y + gate y_t (terms without a cotangent
         # or a tangent are None and drop out)
-        dx = dout if need[0] else None
+        dx, dx_t = (None if g is None or not n else g.to(ctx.x_dtype)
+                    for g, n in ((dout, need[0]), (dout_t, need[3])))  # fmt: skip
         dgate = add(prod(dout, y), prod(dout_t, y_t)) if need[1] else None
         dy = add(prod(dout, gate), prod(dout_t, gate_t)) if need[2] else None
-        dx_t = dout_t if need[3] else None
         dgate_t = prod(dout_t, y) if need[4] else None
         dy_t = prod(dout_t, gate) if need[5] else None
-        grads = (dx, dgate, dy, dx_t, dgate_t, dy_t)
-        like = (x, gate, y, x, gate, y)
-        return (*(sum_to(g, t) for g, t in zip(grads, like)), None, None)
+        grads = (dgate, dy, dgate_t, dy_t)
+        dgate, dy, dgate_t, dy_t = (sum_to(g, t) for g, t in zip(grads, (gate, y, gate, y)))
+        return dx, dgate, dy, dx_t, dgate_t, dy_t, None, None
