@@ -13,6 +13,13 @@ first (the spread between trees' baselines shows the machine's noise).
         --out benchmarks/results
 
 Writes ``<date>-<gpu>-host-time.{json,md}`` with date, GPU, versions and the git commit.
+
+``--stub`` (no GPU needed): a proxy for A/B runs of flash_jvp's own Python on a CPU. Calls
+run on CPU tensors with ``TRITON_INTERPRET=1`` (so the kernel path is taken) and the
+launchers ``_ops.attn_fwd`` / ``_ops.attn_bwd`` replaced by stand-ins that only allocate
+their results: what is timed is the API, validation, the autograd.Functions and torch.func's
+share, not Triton's launch (~10-25 us per launcher call on the H200, replayed from a plan).
+No flash SDPA rows there; figures are this host's, for comparing trees, not the H200's.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import sys
 import time
 
 
-def _host_rows(calls: int, repeats: int) -> dict[str, float]:
+def _host_rows(calls: int, repeats: int, stub: bool) -> dict[str, float]:
+    if stub:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when flash_jvp is imported
     import torch
     import torch.nn.functional as F
     from torch.autograd import forward_ad as fwAD
@@ -36,21 +45,27 @@ def _host_rows(calls: int, repeats: int) -> dict[str, float]:
 
     import flash_jvp
 
+    device = "cpu" if stub else "cuda"
+    sync = (lambda: None) if stub else torch.cuda.synchronize
+    if stub:
+        _stub_launchers()
+
     def per_call(fn) -> float:
         for _ in range(20):
             fn()
-        torch.cuda.synchronize()
+        sync()
         loops = []
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
-            torch.cuda.synchronize()
+            sync()
             loops.append((time.perf_counter() - start) / calls * 1e6)
         return statistics.median(loops)
 
     def randn(grad=False):
-        x = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+        dtype = torch.float32 if stub else torch.bfloat16  # the interpreter's bf16 is garbage
+        x = torch.randn(1, 1, 128, 64, device=device, dtype=dtype)
         return x.requires_grad_(grad)
 
     q, k, v = randn(), randn(), randn()
@@ -75,6 +90,10 @@ def _host_rows(calls: int, repeats: int) -> dict[str, float]:
         "flash SDPA fwd": lambda: flash(q, k, v),
         "flash SDPA fwd+bwd": lambda: torch.autograd.grad(flash(qg, kg, vg), (qg, kg, vg), do),
         "torch.func.jvp of q * k (floor)": lambda: torch.func.jvp(torch.mul, (q, k), tangents[:2]),
+        # what torch.func.jvp costs any function of three inputs (attention's q, k, v)
+        "torch.func.jvp of addcmul(q, k, v) (3-input floor)": lambda: torch.func.jvp(
+            torch.addcmul, (q, k, v), tangents
+        ),
         "forward_ad dual q * k (floor)": lambda: _forward_ad_floor(q, k, tangents),
         "flash_jvp fwd": lambda: flash_jvp.attention(q, k, v),
         "flash_jvp fwd+bwd": lambda: torch.autograd.grad(
@@ -86,7 +105,27 @@ def _host_rows(calls: int, repeats: int) -> dict[str, float]:
         "flash_jvp fwd+JVP (forward_ad)": forward_ad,
         "flash_jvp sCM step (jvp + backward)": scm_step,
     }
+    if stub:
+        rows = {name: fn for name, fn in rows.items() if not name.startswith("flash SDPA")}
     return {name: per_call(fn) for name, fn in rows.items()}
+
+
+def _stub_launchers() -> None:
+    """Replace the launchers by stand-ins that allocate their results and launch nothing."""
+    from flash_jvp import _ops
+
+    def attn_fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec):
+        tangent = any(t is not None for t in (q_t, k_t, v_t, mask_t))
+        o = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        return o, torch.empty_like(o) if tangent else None, lse, torch.empty_like(lse)
+
+    def attn_bwd(do, q, k, v, o, lse, mask, spec, mask_grad=False, dlse=None):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+    import torch
+
+    _ops.attn_fwd, _ops.attn_bwd = attn_fwd, attn_bwd
 
 
 def _forward_ad_floor(q, k, tangents):
@@ -97,13 +136,13 @@ def _forward_ad_floor(q, k, tangents):
 
 
 def _child(args) -> None:
-    print("RESULT " + json.dumps({"host_us": _host_rows(args.calls, args.repeats)}))
+    print("RESULT " + json.dumps({"host_us": _host_rows(args.calls, args.repeats, args.stub)}))
 
 
 def _run_tree(path: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(path), "src"))
     cmd = [sys.executable, __file__, "--child", "--calls", str(args.calls), "--repeats",
-           str(args.repeats)]  # fmt: skip
+           str(args.repeats), *(["--stub"] if args.stub else [])]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -114,7 +153,7 @@ def _run_tree(path: str, args) -> dict:
 def _markdown(meta: dict, results: dict[str, dict]) -> str:
     trees = list(results)
     lines = [f"# flash_jvp host time, {meta['date']}", "", "```", json.dumps(meta, indent=1),
-             "```", "", "Host time per call (us), B=H=1, L=128, E=64, bf16 "
+             "```", "", f"Host time per call (us), {meta['problem']} "
              "(median of loops of calls):", "",
              "| call | " + " | ".join(trees) + " |", "|---|" + "---|" * len(trees)]  # fmt: skip
     names = next(iter(r["host_us"] for r in results.values() if "host_us" in r), {})
@@ -152,6 +191,11 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--stub",
+        action="store_true",
+        help="CPU proxy: flash_jvp's Python with allocation-only launchers (no GPU needed)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -159,8 +203,8 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
-        print("host_time.py needs a CUDA GPU")
+    if not args.stub and not torch.cuda.is_available():
+        print("host_time.py needs a CUDA GPU (or --stub for the CPU proxy)")
         return 2
     trees = [t.split("=", 1) for t in args.tree] or [["this tree", "."]]
     results = {name: _run_tree(path, args) for name, path in trees}
@@ -169,10 +213,12 @@ def main(argv=None) -> int:
 
     date = dt.datetime.now(dt.timezone.utc)
     meta = {"date": date.isoformat(timespec="seconds"), **environment(),
-            "trees": dict(trees)}  # fmt: skip
+            "trees": dict(trees), "problem": "B=H=1, L=128, E=64, "
+            + ("float32 on the CPU, stub launchers" if args.stub else "bf16")}  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     gpu = meta.get("gpu", "gpu").replace("NVIDIA ", "").replace(" ", "-").lower()
-    stem = os.path.join(args.out, f"{date:%Y-%m-%d}-{gpu}-host-time")
+    kind = "cpu-host-time-stub" if args.stub else f"{gpu}-host-time"
+    stem = os.path.join(args.out, f"{date:%Y-%m-%d}-{kind}")
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(stem + ".md", "w") as f:
