@@ -39,8 +39,9 @@ from torch._C._functorch import (
     get_interpreter_stack,
     peek_interpreter_stack,
 )
-from torch._functorch.pyfunctorch import coerce_cinterpreter
 from torch.autograd.function import once_differentiable
+
+from ._function import apply_below
 
 Tensor = torch.Tensor
 
@@ -351,12 +352,10 @@ def exchange(route, xs: list[Tensor]) -> list[Tensor]:
         for j, i in enumerate(has_t):
             result[i] = torch._make_dual(result[i], outs[n + j], 0)
         return result
-    interp = coerce_cinterpreter(top)
-    level = interp.level()
-    with interp.lower():
-        args = [_unwrap_for_grad(x, level) for x in xs]
-        args += [_unwrap_for_grad(t, level).detach() for t in moved]
-        outs = _Exchange.apply(route, has_t, *args)
+    level = top.level()
+    args = [_unwrap_for_grad(x, level) for x in (*xs, *moved)]
+    outs = apply_below(top, lambda: _Exchange.apply(route, has_t, *args[:n],
+                                                    *(t.detach() for t in args[n:])))  # fmt: skip
     result = [_wrap_for_grad(o, level) for o in outs[:n]]
     for j, i in enumerate(has_t):
         result[i] = torch._make_dual(result[i], _wrap_for_grad(outs[n + j], level), 0)

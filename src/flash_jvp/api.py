@@ -174,9 +174,10 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     q, k, v = (_batch_3d(x, lead) for x in (query, key, value))
     offset = reference.causal_offset(is_causal, attn_mask, q.shape[-2], k.shape[-2])
     mask = None if isinstance(attn_mask, CausalBias) else _mask_4d(attn_mask, lead)
-    o, lse = _attend(q, k, v, mask, Spec(scale, offset))
+    o, lse = _attend(q, k, v, mask, Spec(scale, offset), with_lse)
     if len(lead) != 1:
-        o, lse = o.reshape(*lead, *o.shape[1:]), lse.reshape(*lead, *lse.shape[1:])
+        o = o.reshape(*lead, *o.shape[1:])
+        lse = lse.reshape(*lead, *lse.shape[1:]) if with_lse else None
     return (o, lse) if with_lse else o
 
 
@@ -266,24 +267,24 @@ def varlen_attention(
             )
     spec = Spec(scale, 0 if is_causal else None, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k)  # fmt: skip
-    o, lse = _attend(q, k, v, None, spec)
+    o, lse = _attend(q, k, v, None, spec, return_lse)
     return (o, lse) if return_lse else o
 
 
 def _attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec
-) -> tuple[Tensor, Tensor]:
-    """o and lse on the kernel path. While torch.compile traces, through the
-    ``flash_jvp::attention`` op, which Dynamo treats as opaque (its tangent logic runs where
-    AOTAutograd traces, see _library.py); eagerly, the autograd.Functions directly: the same
-    code, with every torch.func transform composing and without the dispatcher's host
-    time."""
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec, need_lse: bool
+) -> tuple[Tensor, Tensor | None]:
+    """o and lse on the kernel path (lse may be None without ``need_lse``). While
+    torch.compile traces, through the ``flash_jvp::attention`` op, which Dynamo treats as
+    opaque (its tangent logic runs where AOTAutograd traces, see _library.py); eagerly, the
+    autograd.Functions directly: the same code, with every torch.func transform composing
+    and without the dispatcher's host time."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         # traced (torch.compile; make_fx, as in torch.func.linearize or export): the op
         return _library.attention(q, k, v, mask, spec)
     from . import _function  # imports functorch internals Dynamo must not trace
 
-    return _function.attention(q, k, v, mask, spec)
+    return _function.attention(q, k, v, mask, spec, need_lse)
 
 
 def supports(

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import torch
 from torch._C._functorch import (
-    CJvpInterpreterPtr,
     TransformType,
     _unwrap_for_grad,
     _wrap_for_grad,
     get_interpreter_stack,
     peek_interpreter_stack,
-    pop_dynamic_layer_stack,
-    push_dynamic_layer_stack,
 )
+
+from .._function import apply_below
 
 Tensor = torch.Tensor
 
@@ -60,17 +59,7 @@ def dual_apply(fn, primals: list, tangents: list, *consts):
         return torch._make_dual(y, y_t, 0)
     level = top.level()
     args = [None if x is None else _unwrap_for_grad(x, level) for x in (*primals, *tangents)]
-    # one level down, as functorch's JvpInterpreter.lower() does (without its Python
-    # interpreter objects: ~0.3 ms of host time a call)
-    fwd_grad = torch._C._is_fwd_grad_enabled()
-    layer = pop_dynamic_layer_stack()
-    try:
-        if not CJvpInterpreterPtr(top).prevFwdGradMode():
-            torch._C._set_fwd_grad_enabled(False)
-        out = fn.apply(*args, *consts)
-    finally:
-        torch._C._set_fwd_grad_enabled(fwd_grad)
-        push_dynamic_layer_stack(layer)
+    out = apply_below(top, fn.apply, *args, *consts)
     y, y_t = (None if x is None else _wrap_for_grad(x, level) for x in out[:2])
     return y if y_t is None else torch._make_dual(y, y_t, 0)
 
