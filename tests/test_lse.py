@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import DEVICE, assert_close_rel, randn
+from torch.autograd import forward_ad as fwAD
 from torch.nn.attention.bias import causal_lower_right
 
 import flash_jvp
@@ -207,3 +208,43 @@ def test_compiled_jvp_of_attention_with_lse(path):
     for name, a, b in zip(("o", "lse", "o_t", "mu"), (*compiled[0], *compiled[1]),
                           (*eager[0], *eager[1])):  # fmt: skip
         assert torch.equal(a, b) if path == "kernels" else torch.allclose(a, b), name
+
+
+def _jvp_with_lse(mode: str, q, k, v, tangents, kw):
+    """((o, lse), (o_t, mu)) of attention_with_lse by torch.func.jvp or forward_ad."""
+    if mode == "torch.func.jvp":
+        return torch.func.jvp(
+            lambda q, k, v: flash_jvp.attention_with_lse(q, k, v, **kw), (q, k, v), tangents
+        )
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(x, t) for x, t in zip((q, k, v), tangents)]
+        o, lse = (fwAD.unpack_dual(y) for y in flash_jvp.attention_with_lse(*duals, **kw))
+        return (o.primal, lse.primal), (o.tangent, lse.tangent)
+
+
+@pytest.mark.parametrize("mode", ["torch.func.jvp", "forward_ad"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "inputs requiring grad"])
+def test_jvp_with_and_without_reverse_mode(mode, grad, path):
+    """The forward-mode call that nothing differentiates in reverse mode (the launcher alone)
+    and the one whose inputs require grad (through the autograd.Function) give the same o,
+    lse, o_t and mu, against float64; only the latter's results carry a backward, whose
+    gradients (of sum(o * do) + sum(o_t * do_t)) match float64 too."""
+    q, k, v, tangents, kw = _case("key_padding", torch.float32)
+    q, k, v = (x.clone().requires_grad_(grad) for x in (q, k, v))
+    (o, lse), (o_t, mu) = _jvp_with_lse(mode, q, k, v, tangents, kw)
+    d = [x.detach().double().requires_grad_(grad) for x in (q, k, v)]
+    (o_r, lse_r), (o_t_r, mu_r) = torch.func.jvp(
+        lambda q, k, v: _ref(q, k, v, kw), tuple(d), tuple(t.double() for t in tangents)
+    )
+    for name, a, b in (("o", o, o_r), ("o_t", o_t, o_t_r)):
+        assert_close_rel(name, a, b, TOL[torch.float32])
+    _assert_lse("lse", lse, lse_r, 1e-5)
+    finite = torch.isfinite(lse_r)
+    assert_close_rel("mu", mu[finite], mu_r[finite], TOL[torch.float32])
+    assert o.requires_grad == o_t.requires_grad == grad
+    if grad:
+        do, do_t = randn(*o.shape), randn(*o.shape)
+        ours = torch.autograd.grad((o * do).sum() + (o_t * do_t).sum(), (q, k, v))
+        ref = torch.autograd.grad((o_r * do).sum() + (o_t_r * do_t).sum(), d)
+        for name, a, b in zip(("dq", "dk", "dv"), ours, ref):
+            assert_close_rel(name, a, b, 1e-4)

@@ -71,8 +71,24 @@ def _scores(q: Tensor, k: Tensor, scale: float, offset: int | None, mask, mask_m
 
 
 def _softmax_probs(q, k, scale, offset=None, mask=None, mask_min=-math.inf) -> Tensor:
-    # The softmax math SDPA uses (torch >= 2.5): rows with every key masked give zeros.
-    return torch.ops.aten._safe_softmax(_scores(q, k, scale, offset, mask, mask_min), -1)
+    return _softmax_lse(_scores(q, k, scale, offset, mask, mask_min))[0]
+
+
+def _softmax_lse(s: Tensor) -> tuple[Tensor, Tensor]:
+    """(P, lse): softmax of the scores over the last dim and their log-sum-exp, as math SDPA
+    (torch >= 2.5) has them: a row with every key masked (-inf) gives P = 0, lse = -inf.
+
+    In plain ops: torch's forward-AD formulas of softmax, _safe_softmax and logsumexp write
+    into a tensor that reverse mode saved, so a backward through a ``forward_ad`` tangent
+    failed (pytorch/pytorch#162350). The row max is a shift both results are invariant to,
+    so it is detached; masked rows divide by and take the log of 1, not 0 (no NaN in the
+    backward of the branch ``torch.where`` drops)."""
+    visible = (s != -math.inf).any(-1, keepdim=True)
+    shift = torch.where(visible, s.amax(-1, keepdim=True), 0.0).detach()
+    e = torch.exp(s - shift)
+    total = torch.where(visible, e.sum(-1, keepdim=True), 1.0)
+    lse = torch.where(visible, shift + torch.log(total), -math.inf)
+    return e / total, lse.squeeze(-1)
 
 
 def attention_ref(
@@ -115,11 +131,8 @@ def _attend(q, k, v, mask, scale: float, offset: int | None, dtype: torch.dtype)
     if k.shape[-3] != q.shape[-3]:
         kc, vc = _expand_kv(kc, q.shape[-3]), _expand_kv(vc, q.shape[-3])
     s = _scores(qc, kc, scale, offset, mask, torch.finfo(q.dtype).min)
-    p = torch.ops.aten._safe_softmax(s, -1)  # the softmax of math SDPA: masked rows give 0
-    # a masked row's logsumexp is taken of zeros (finite, in both AD modes) and replaced
-    visible = (s != -math.inf).any(-1)
-    lse = torch.logsumexp(torch.where(visible[..., None], s, 0.0), -1)
-    return (p @ vc).to(q.dtype), torch.where(visible, lse, -math.inf)
+    p, lse = _softmax_lse(s)
+    return (p @ vc).to(q.dtype), lse
 
 
 def attention_spec(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec):
