@@ -195,6 +195,36 @@ def via_math_sdpa(model, fn, primals, tangents) -> Step:
         return scm_step(model, fn, primals, tangents)
 
 
+def converted(mode: str, monkeypatch) -> Callable:
+    """A run (as via_patch_sdpa) with the model's torch.nn layers swapped for flash_jvp.nn's
+    in place (``flash_jvp.nn.convert``) for the step and reverted after, asserting that
+    revert restored every class and, in float32 and bfloat16 (float64 takes the plain ops),
+    that the fused Linear's Function served the JVP."""
+    import flash_jvp.nn as fnn
+    from flash_jvp.nn._linear import LinearFn
+
+    served = []
+    forward = LinearFn.forward
+    monkeypatch.setattr(
+        LinearFn, "forward", staticmethod(lambda *a: served.append(1) or forward(*a))
+    )
+
+    def run(model, *args):
+        classes = {n: type(m) for n, m in model.named_modules()}
+        served.clear()
+        fnn.convert(model)
+        try:
+            assert any(isinstance(m, fnn.Linear) for m in model.modules())
+            step = via_patch_sdpa(model, *args)
+        finally:
+            fnn.revert(model)
+        assert {n: type(m) for n, m in model.named_modules()} == classes
+        assert served or mode == "fp64", "no Linear ran through flash_jvp.nn's LinearFn"
+        return step
+
+    return run
+
+
 def served_by_flash(log: list[str], calls: int, run: Callable) -> Callable:
     """``run``, asserting that flash_jvp served each of its ``calls`` SDPA calls."""
 

@@ -10,6 +10,7 @@ from helpers import DEVICE
 from integration_helpers import (
     MODES,
     assert_step_matches,
+    converted,
     count_served,
     on_device,
     randn,
@@ -139,6 +140,14 @@ def test_patch_sdpa_attn_processor(mode, build, calls, monkeypatch):
     """DiT / SD3: jvp and sCM-loss gradients through patch_sdpa equal math SDPA's."""
     log = count_served(monkeypatch)
     assert_step_matches(mode, build, served_by_flash(log, calls, via_patch_sdpa), via_math_sdpa)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("build", [build_dit, build_sd3, build_flux], ids=["dit", "sd3", "flux"])
+def test_converted_layers(mode, build, monkeypatch):
+    """An unchanged diffusers model converted to flash_jvp.nn (its LayerNorms, Linears, SiLUs
+    and GELUs): jvp and sCM-loss gradients equal math SDPA's on the unconverted model."""
+    assert_step_matches(mode, build, converted(mode, monkeypatch), via_math_sdpa)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -12,6 +12,7 @@ from helpers import CUDA, DEVICE
 from integration_helpers import (
     MODES,
     assert_step_matches,
+    converted,
     count_served,
     on_device,
     randn,
@@ -51,3 +52,10 @@ def test_vit(mode, monkeypatch):
     SDPA's."""
     log = count_served(monkeypatch)
     assert_step_matches(mode, build_vit, served_by_flash(log, 2, via_patch_sdpa), via_math_sdpa)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vit_converted_layers(mode, monkeypatch):
+    """The ViT converted to flash_jvp.nn (LayerNorms, Linears, GELUs): jvp and sCM-loss
+    gradients equal math SDPA's on the unconverted model."""
+    assert_step_matches(mode, build_vit, converted(mode, monkeypatch), via_math_sdpa)
