@@ -199,9 +199,13 @@ def _launch_fwd(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec) -> tuple:
     from the ``attn_fwd`` op, without the Function's bookkeeping, for calls that nothing
     differentiates in reverse mode (as ``Function.apply``, wrappers of finished torch.func
     transforms unwrapped)."""
+    if q_t is None and k_t is None and v_t is None and mask_t is None:
+        q, k, v, mask = unwrap_dead_wrappers((q, k, v, mask))
+        o, _, lse, _ = _library.fwd(q, k, v, None, None, None, mask, None, spec)
+        return o, lse
     args = unwrap_dead_wrappers((q, k, v, q_t, k_t, v_t, mask, mask_t))
     o, o_t, lse, mu = _library.fwd(*args, spec)
-    return (o, lse) if all(t is None for t in (q_t, k_t, v_t, mask_t)) else (o, lse, o_t, mu)
+    return o, lse, o_t, mu
 
 
 def _duals(out: tuple, need_lse: bool, level: int | None) -> tuple[Tensor, Tensor | None]:

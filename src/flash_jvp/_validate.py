@@ -53,6 +53,7 @@ def _tensor_problems(query, key, value) -> list[Problem]:
 
 def _layout_problems(q, k, v, enable_gqa: bool) -> list[Problem]:
     out: list[Problem] = []
+    qs, ks, vs = q.shape, k.shape, v.shape  # each .shape builds a torch.Size: host time
     if not q.dtype.is_floating_point:
         out.append((TypeError, f"Expected a floating-point query, but got {_desc('query', q)}."))
     if not (q.dtype == k.dtype == v.dtype):
@@ -71,35 +72,35 @@ def _layout_problems(q, k, v, enable_gqa: bool) -> list[Problem]:
                 f"query.device: {q.device}, key.device: {k.device}, value.device: {v.device}.",
             )
         )
-    if not (q.dim() == k.dim() == v.dim()) or not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+    if not (len(qs) == len(ks) == len(vs)) or not (qs[:-3] == ks[:-3] == vs[:-3]):
         out.append(
             (
                 ValueError,
                 "Expected query, key, and value to have the same batch dimensions (all but the "
-                f"last three), but got query {tuple(q.shape)}, key {tuple(k.shape)}, value "
-                f"{tuple(v.shape)}. Broadcast with .expand() (no copy is made).",
+                f"last three), but got query {tuple(qs)}, key {tuple(ks)}, value "
+                f"{tuple(vs)}. Broadcast with .expand() (no copy is made).",
             )
         )
         return out
-    if k.shape[-3] != v.shape[-3] or k.shape[-2] != v.shape[-2]:
+    if ks[-3] != vs[-3] or ks[-2] != vs[-2]:
         out.append(
             (
                 ValueError,
                 "Expected key and value to have the same number of heads and length, but got "
-                f"key {tuple(k.shape)} and value {tuple(v.shape)}.",
+                f"key {tuple(ks)} and value {tuple(vs)}.",
             )
         )
-    if q.shape[-1] == 0:
+    if qs[-1] == 0:
         out.append((ValueError, f"Expected a head_dim >= 1, but got {_desc('query', q)}."))
-    if q.shape[-1] != k.shape[-1]:
+    if qs[-1] != ks[-1]:
         out.append(
             (
                 ValueError,
                 "Expected query and key to have the same head_dim (last dimension), but got "
-                f"query {tuple(q.shape)} and key {tuple(k.shape)}.",
+                f"query {tuple(qs)} and key {tuple(ks)}.",
             )
         )
-    hq, hkv = q.shape[-3], k.shape[-3]
+    hq, hkv = qs[-3], ks[-3]
     if hq != hkv:
         if not enable_gqa:
             out.append(
@@ -117,7 +118,7 @@ def _layout_problems(q, k, v, enable_gqa: bool) -> list[Problem]:
                     f"the number of key/value heads ({hkv}).",
                 )
             )
-    if k.shape[-2] == 0:
+    if ks[-2] == 0:
         out.append((ValueError, f"Expected key to have length >= 1, but got {_desc('key', k)}."))
     return out
 
