@@ -320,7 +320,8 @@ def _ref64(fn_of_attention):
 
 
 def test_forward_ad_duals_then_backward(path):
-    """forward_ad dual tensors, a loss on the unpacked tangent, .backward()."""
+    """forward_ad dual tensors, a loss on the unpacked tangent, .backward(), on the kernels
+    and the fallback alike."""
     q, k, v, tangents, do, do_t = _small()
 
     def run(attention, q, k, v, q_t, k_t, v_t, do, do_t):
@@ -332,19 +333,10 @@ def test_forward_ad_duals_then_backward(path):
         loss.backward()
         return [x.grad for x in leaves]
 
-    if path == "fallback":  # plain torch ops: whatever torch does with math SDPA
-        outcomes = []
-        for attention in (reference.math_sdpa, flash_jvp.attention):
-            try:
-                outcomes.append(run(attention, q, k, v, *tangents, do, do_t))
-            except RuntimeError as err:  # torch 2.13: "modified by an inplace operation"
-                outcomes.append(type(err))
-        if isinstance(outcomes[0], type):
-            assert outcomes[0] is outcomes[1], outcomes
-            return
     ours = run(flash_jvp.attention, q, k, v, *tangents, do, do_t)
-    # the oracle through torch.func.jvp: torch 2.13's forward AD of softmax breaks its own
-    # backward (an in-place error), with math SDPA or plain softmax alike
+    # the oracle through torch.func.jvp: torch's forward AD of softmax breaks its own backward
+    # (an in-place error, pytorch/pytorch#162350), with math SDPA or torch.softmax alike; the
+    # fallback's softmax is in plain ops (reference._softmax_lse), so it runs here too
     ref = tangent_grads(reference.math_sdpa, q, k, v, tangents, do, do_t, dtype=torch.float64,
                         enable_gqa=True)  # fmt: skip
     for name, a in zip(NAMES, ours):
