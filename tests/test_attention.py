@@ -184,7 +184,8 @@ def test_head_tiles_are_the_narrowest_cover():
 
 def test_inputs_left_from_a_finished_torch_func_transform():
     """A tensor captured inside torch.func.grad and used after it (a dead wrapper) is taken
-    as its plain value, as torch's own ops take it, on the no-grad path too."""
+    as its plain value, as torch's own ops take it, on the no-grad path too and closed over
+    inside a new torch.func.jvp."""
     q, k, v = (randn(1, 2, 24, 16) for _ in range(3))
     kept = []
 
@@ -196,3 +197,12 @@ def test_inputs_left_from_a_finished_torch_func_transform():
     ref = flash_jvp.reference.math_sdpa(q.double(), k.double(), v.double())
     out = flash_jvp.attention(q, kept[-1], v)
     assert _check.rel_err(out, ref) <= 1e-5
+    # closed over in a new torch.func.jvp (along v), also with v requiring grad
+    v_t = randn(*v.shape)
+    ref_t = torch.func.jvp(
+        lambda v: flash_jvp.reference.math_sdpa(q.double(), k.double(), v), (v.double(),),
+        (v_t.double(),),
+    )[1]  # fmt: skip
+    for v_ in (v, v.clone().requires_grad_()):
+        out, out_t = torch.func.jvp(lambda v: flash_jvp.attention(q, kept[-1], v), (v_,), (v_t,))
+        assert _check.rel_err(out, ref) <= 1e-5 and _check.rel_err(out_t, ref_t) <= 1e-5

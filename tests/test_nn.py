@@ -378,6 +378,28 @@ def test_review_cases(norm_path):
             assert FN.rms_norm(t, 8).dtype == t.dtype
 
 
+def test_inputs_left_from_a_finished_transform(norm_path):
+    """A tensor kept from a finished torch.func.grad (a dead wrapper) and closed over in a new
+    torch.func.jvp is taken as its value by every fused layer (the unwrapping at the jvp's
+    level once asserted inside torch)."""
+    x, z, w = randn(2, 3, 16), randn(2, 3, 16), randn(8, 16)
+    gate, gate_t = randn(2, 1, 16), randn(2, 1, 16)
+    kept = []
+    torch.func.grad(lambda x: kept.append(x * 1.0) or x.sum())(x)
+    x64, z64, w64 = x.double(), z.double(), w.double()
+    calls = {
+        "gated_residual": (lambda g: FN.gated_residual(kept[0], g, z), lambda g: x64 + g * z64),
+        "layer_norm": (lambda s: FN.layer_norm(kept[0], 16, shift=s),
+                       lambda s: torch.nn.functional.layer_norm(x64, (16,)) + s),
+        "linear": (lambda g: FN.linear(kept[0] * g, w), lambda g: (x64 * g) @ w64.T),
+        "gelu": (lambda g: FN.gelu(kept[0] + g), lambda g: torch.nn.functional.gelu(x64 + g)),
+    }  # fmt: skip
+    for name, (fn, ref) in calls.items():
+        y, y_t = torch.func.jvp(fn, (gate,), (gate_t,))
+        y64, y_t64 = torch.func.jvp(ref, (gate.double(),), (gate_t.double(),))
+        assert _check.rel_err(y, y64) < 1e-5 and _check.rel_err(y_t, y_t64) < 1e-5, name
+
+
 class _Block(nn.Module):
     """A small adaLN block of every fused layer: modulated LayerNorm, GELU, SiLU, Linear and
     the gated residual."""

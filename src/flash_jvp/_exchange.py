@@ -34,14 +34,13 @@ import torch
 import torch.distributed as dist
 from torch._C._functorch import (
     TransformType,
-    _unwrap_for_grad,
     _wrap_for_grad,
     get_interpreter_stack,
     peek_interpreter_stack,
 )
 from torch.autograd.function import once_differentiable
 
-from ._function import apply_below
+from ._function import apply_below, unwrap_level
 
 Tensor = torch.Tensor
 
@@ -353,7 +352,7 @@ def exchange(route, xs: list[Tensor]) -> list[Tensor]:
             result[i] = torch._make_dual(result[i], outs[n + j], 0)
         return result
     level = top.level()
-    args = [_unwrap_for_grad(x, level) for x in (*xs, *moved)]
+    args = unwrap_level((*xs, *moved), level)
     outs = apply_below(top, lambda: _Exchange.apply(route, has_t, *args[:n],
                                                     *(t.detach() for t in args[n:])))  # fmt: skip
     result = [_wrap_for_grad(o, level) for o in outs[:n]]

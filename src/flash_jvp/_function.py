@@ -140,6 +140,14 @@ def _nested_forward_ad(stack) -> bool:
     return stack is not None and sum(i.key() == TransformType.Jvp for i in stack) >= 2
 
 
+def unwrap_level(xs, level: int) -> list:
+    """xs (tensors or None) as the level below ``level`` sees them: wrappers of ``level``
+    unwrapped, and wrappers left from finished transforms (dead; e.g. a tensor kept from a
+    ``torch.func.grad`` and closed over in a new jvp) taken as their values, which
+    ``_unwrap_for_grad`` alone refuses with an internal assert."""
+    return [None if x is None else _unwrap_for_grad(x, level) for x in unwrap_dead_wrappers(xs)]
+
+
 def apply_below(top, fn, *args):
     """``fn(*args)`` one level below ``top``, the innermost interpreter, a ``torch.func.jvp``:
     what functorch's ``JvpInterpreter.lower()`` does, without its Python interpreter objects
@@ -185,7 +193,7 @@ def attention(
     if top.key() != TransformType.Jvp:
         return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[:2]
     level = top.level()
-    args = [None if x is None else _unwrap_for_grad(x, level) for x in (q, k, v, mask, *tangents)]
+    args = unwrap_level((q, k, v, mask, *tangents), level)
     if spec.varlen:  # an op's arguments arrive wrapped at the level, cu_seqlens too
         cu_q, cu_k = (_unwrap_for_grad(cu, level) for cu in (spec.cu_seqlens_q, spec.cu_seqlens_k))
         spec = dataclasses.replace(spec, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)

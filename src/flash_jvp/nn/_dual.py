@@ -14,13 +14,12 @@ from __future__ import annotations
 import torch
 from torch._C._functorch import (
     TransformType,
-    _unwrap_for_grad,
     _wrap_for_grad,
     get_interpreter_stack,
     peek_interpreter_stack,
 )
 
-from .._function import apply_below
+from .._function import apply_below, unwrap_level
 
 Tensor = torch.Tensor
 
@@ -58,7 +57,7 @@ def dual_apply(fn, primals: list, tangents: list, *consts):
         y, y_t = fn.apply(*primals, *tangents, *consts)[:2]
         return torch._make_dual(y, y_t, 0)
     level = top.level()
-    args = [None if x is None else _unwrap_for_grad(x, level) for x in (*primals, *tangents)]
+    args = unwrap_level((*primals, *tangents), level)
     out = apply_below(top, fn.apply, *args, *consts)
     y, y_t = (None if x is None else _wrap_for_grad(x, level) for x in out[:2])
     return y if y_t is None else torch._make_dual(y, y_t, 0)
