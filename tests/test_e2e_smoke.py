@@ -1,9 +1,13 @@
 """benchmarks/e2e.py on tiny models on the CPU, so the benchmark cannot rot: its JVP steps
 through flash_jvp give the plain-op path's loss and gradients, the DiT's tangent along t is
-right, and its bookkeeping (row order, fall-back rows, targets, attention rule) holds."""
+right, and its bookkeeping (row order, fall-back rows, targets, attention rule) holds; and
+benchmarks/host_time.py's CPU proxy runs."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -192,3 +196,21 @@ def test_smoke_command(fallback, capsys):
 def test_bad_rows_are_refused():
     with pytest.raises(SystemExit):
         e2e.parse_args(["--rows", "dit256,nope"])
+
+
+def test_host_time_stub_runs():
+    """benchmarks/host_time.py --stub (the CPU proxy; its own process: it sets
+    TRITON_INTERPRET and replaces the launchers) yields a finite time for every row."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmarks" / "host_time.py"), "--child", "--stub",
+           "--calls", "2", "--repeats", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, done.stderr[-2000:]
+    rows = json.loads(lines[0][len("RESULT ") :])["host_us"]
+    wanted = {"flash_jvp fwd", "flash_jvp fwd+JVP (torch.func.jvp)",
+              "flash_jvp sCM step (jvp + backward)",
+              "torch.func.jvp of addcmul(q, k, v) (3-input floor)"}  # fmt: skip
+    assert wanted <= set(rows), rows
+    assert all(0 < us < float("inf") for us in rows.values()), rows
