@@ -188,14 +188,16 @@ def attention(
     if not stack:
         if _needs_grad(q, k, v, mask, *tangents):
             return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[:2]
-        return _duals(_launch_fwd(q, k, v, mask, *tangents, spec), need_lse, None)
+        # as Function.apply does, wrappers left from finished torch.func transforms unwrapped
+        args = unwrap_dead_wrappers((q, k, v, mask, *tangents))
+        return _duals(_launch_fwd(*args, spec), need_lse, None)
     top = stack[-1]
     if top.key() != TransformType.Jvp:
         return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[:2]
     level = top.level()
     args = unwrap_level((q, k, v, mask, *tangents), level)
     if spec.varlen:  # an op's arguments arrive wrapped at the level, cu_seqlens too
-        cu_q, cu_k = (_unwrap_for_grad(cu, level) for cu in (spec.cu_seqlens_q, spec.cu_seqlens_k))
+        cu_q, cu_k = unwrap_level((spec.cu_seqlens_q, spec.cu_seqlens_k), level)
         spec = dataclasses.replace(spec, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     plain = len(stack) == 1 and not _needs_grad(*args)  # the JVP alone
     out = apply_below(top, _launch_fwd if plain else FlashAttnJVP.apply, *args, spec)
@@ -205,14 +207,10 @@ def attention(
 def _launch_fwd(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec) -> tuple:
     """The outputs of :class:`FlashAttnJVP` ((o, lse), or (o, lse, o_t, mu) with tangents)
     from the ``attn_fwd`` op, without the Function's bookkeeping, for calls that nothing
-    differentiates in reverse mode (as ``Function.apply``, wrappers of finished torch.func
-    transforms unwrapped)."""
+    differentiates in reverse mode (plain tensors: the callers unwrap)."""
+    o, o_t, lse, mu = _library.fwd(q, k, v, q_t, k_t, v_t, mask, mask_t, spec)
     if q_t is None and k_t is None and v_t is None and mask_t is None:
-        q, k, v, mask = unwrap_dead_wrappers((q, k, v, mask))
-        o, _, lse, _ = _library.fwd(q, k, v, None, None, None, mask, None, spec)
         return o, lse
-    args = unwrap_dead_wrappers((q, k, v, q_t, k_t, v_t, mask, mask_t))
-    o, o_t, lse, mu = _library.fwd(*args, spec)
     return o, lse, o_t, mu
 
 

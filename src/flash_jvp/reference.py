@@ -81,10 +81,12 @@ def _softmax_lse(s: Tensor) -> tuple[Tensor, Tensor]:
     In plain ops: torch's forward-AD formulas of softmax, _safe_softmax and logsumexp write
     into a tensor that reverse mode saved, so a backward through a ``forward_ad`` tangent
     failed (pytorch/pytorch#162350). The row max is a shift both results are invariant to,
-    so it is detached; masked rows divide by and take the log of 1, not 0 (no NaN in the
-    backward of the branch ``torch.where`` drops)."""
+    so it is detached (and 0 where no key exists: amax refuses an empty dim); masked rows
+    divide by and take the log of 1, not 0 (no NaN in the backward of the branch
+    ``torch.where`` drops)."""
     visible = (s != -math.inf).any(-1, keepdim=True)
-    shift = torch.where(visible, s.amax(-1, keepdim=True), 0.0).detach()
+    row_max = s.amax(-1, keepdim=True) if s.shape[-1] else torch.zeros_like(visible, dtype=s.dtype)
+    shift = torch.where(visible, row_max, 0.0).detach()
     e = torch.exp(s - shift)
     total = torch.where(visible, e.sum(-1, keepdim=True), 1.0)
     lse = torch.where(visible, shift + torch.log(total), -math.inf)
