@@ -73,3 +73,23 @@ def path(request, monkeypatch):
     if request.param == "fallback":
         monkeypatch.setattr(flash_jvp.api, "uses_kernels", lambda device: False)
     return request.param
+
+
+def _transform_state():
+    """What a test may change only inside a context: transforms, grad modes, dispatch keys."""
+    return (
+        torch._C._functorch.peek_interpreter_stack() is None,
+        torch._C._is_fwd_grad_enabled(), torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(), torch.autograd.forward_ad._current_level,
+        repr(torch._C._dispatch_tls_local_exclude_set()),
+        repr(torch._C._dispatch_tls_local_include_set()),
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_state():
+    """A test that leaves autograd or functorch state behind fails itself, not some later
+    test in the same worker."""
+    before = _transform_state()
+    yield
+    assert _transform_state() == before, "the test left autograd/functorch state changed"

@@ -27,7 +27,7 @@ from helpers import (
 from torch.autograd import forward_ad as fwAD
 
 import flash_jvp
-from flash_jvp import _check, reference
+from flash_jvp import _check, _utils, reference
 from flash_jvp.reference import math_sdpa
 
 gpu = pytest.mark.gpu
@@ -301,9 +301,15 @@ def test_c7_odd_lengths_and_poisoned_neighbours(dtype, lengths):
         flash_jvp.attention, *map(_poisoned_copy, (q, k, v)),
         tuple(map(_poisoned_copy, tangents)), _poisoned_copy(do), is_causal=True,
     )  # fmt: skip
+    # the kernels read only in-bounds elements, whatever the strides: equal bits. The CPU
+    # fallback's BLAS picks its blocking by stride, so there the bits may differ (not NaN).
+    exact = _utils.uses_kernels(q.device)
     for name, a in clean.as_dict().items():
         b = getattr(poisoned, name)
-        assert torch.equal(a, b), f"{name} differs when neighbouring memory is NaN"
+        if exact:
+            assert torch.equal(a, b), f"{name} differs when neighbouring memory is NaN"
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{name} (fallback)")
 
 
 # ---------------------------------------------------------------- C8: head dims, GQA

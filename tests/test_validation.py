@@ -135,13 +135,28 @@ def test_zero_head_dim():
         flash_jvp.attention(q, q, t(1, 2, 8, 16))
 
 
-@needs_kernels
-def test_tangent_dtype_must_match_its_primal():
-    q = t(1, 2, 8, 16)
-    with fwAD.dual_level():
-        dual = fwAD.make_dual(q, t(1, 2, 8, 16, dtype=torch.float16))
-        with pytest.raises(ValueError, match="tangent of query to have its dtype torch.float32"):
-            flash_jvp.attention(dual, q, q)
+@pytest.mark.parametrize("arg", ["query", "value", "attn_mask"])
+def test_tangent_dtype_must_match_its_primal(path, arg):
+    """torch's make_dual pairs any floating dtypes; both paths name the argument (the
+    fallback used to raise torch's 'expected scalar type', naming none)."""
+    args = {"query": t(1, 2, 8, 16), "key": t(1, 2, 8, 16), "value": t(1, 2, 8, 16),
+            "attn_mask": t(1, 1, 8, 8)}  # fmt: skip
+    other = torch.float64 if args[arg].dtype == torch.float32 else torch.float32
+    tangent = args[arg].to(other)
+    match = f"tangent of {arg} to have its dtype {args[arg].dtype}"
+    with pytest.raises(ValueError, match=match):
+        torch.func.jvp(lambda x: flash_jvp.attention(**{**args, arg: x}), (args[arg],), (tangent,))
+    with fwAD.dual_level(), pytest.raises(ValueError, match=match):
+        flash_jvp.attention(**{**args, arg: fwAD.make_dual(args[arg], tangent)})
+
+
+def test_varlen_tangent_dtype_must_match_its_primal(path):
+    q = t(12, 2, 16)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=q.device)
+    with pytest.raises(ValueError, match=f"tangent of k to have its dtype {q.dtype}"):
+        torch.func.jvp(
+            lambda k: flash_jvp.varlen_attention(q, k, q, cu, cu, 7, 7), (q,), (q.double(),)
+        )
 
 
 @needs_kernels

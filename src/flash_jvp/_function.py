@@ -38,7 +38,7 @@ from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.pyfunctorch import dispatch_functorch
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from . import _library, reference
+from . import _library, _validate, reference
 from ._utils import Spec, no_autocast, tangent_bwd_outputs
 
 Tensor = torch.Tensor
@@ -121,11 +121,7 @@ def _tangent(x: Tensor | None, name: str) -> Tensor | None:
     t = torch._unpack_dual(x, 0)[1]
     if t is None or t._is_zerotensor():
         return None
-    if t.dtype != x.dtype:
-        raise ValueError(
-            f"Expected the forward-mode tangent of {name} to have its dtype {x.dtype}, but got "
-            f"{t.dtype}."
-        )
+    _validate.check_tangent_dtype(x, t, name)
     return t
 
 

@@ -476,3 +476,26 @@ def check_varlen(*args) -> None:
     if found:
         exc_type, message = found[0]
         raise exc_type(message)
+
+
+def check_tangent_dtype(x: torch.Tensor, t: torch.Tensor, name: str) -> None:
+    """Raise unless x's forward-mode tangent t has x's dtype: torch's make_dual pairs any
+    floating dtypes, while both paths compute a tangent in its primal's dtype."""
+    if t.dtype != x.dtype:
+        raise ValueError(
+            f"Expected the forward-mode tangent of {name} to have its dtype {x.dtype}, but got "
+            f"{t.dtype}."
+        )
+
+
+def check_fallback_tangents(**named) -> None:
+    """On the PyTorch fallback, the tangent dtype check the kernel path makes as it reads the
+    tangents (else torch's 'expected scalar type' error, naming no argument). Skipped while
+    torch.compile traces, where the kernel path's check is in the traced op too."""
+    if torch.compiler.is_compiling():
+        return
+    for name, x in named.items():
+        if isinstance(x, torch.Tensor) and not torch._C._functorch.is_batchedtensor(x):
+            t = torch._unpack_dual(x, 0)[1]
+            if t is not None:
+                check_tangent_dtype(x, t, name)

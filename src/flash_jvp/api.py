@@ -166,6 +166,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     _validate.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernels)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     if not kernels:
+        _validate.check_fallback_tangents(query=query, key=key, value=value, attn_mask=attn_mask)
         with no_autocast(query.device):
             return reference.attention_ref(
                 query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse=with_lse
@@ -261,6 +262,7 @@ def varlen_attention(
     )  # fmt: skip
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not kernels:
+        _validate.check_fallback_tangents(q=q, k=k, v=v)
         with no_autocast(q.device):
             return reference.varlen_attention_dense(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, with_lse=return_lse
