@@ -447,7 +447,7 @@ def test_compiled_jvp_values(backend):
 def test_convert_edge_cases():
     """A module parametrized after convert survives revert (left converted); converting
     twice, or with a fused class in types, still reverts; a bare class as types."""
-    lin = fnn.convert(nn.Linear(8, 4))
+    lin = fnn.convert(nn.Linear(8, 4, device=DEVICE))
     torch.nn.utils.parametrizations.weight_norm(lin)
     fnn.revert(lin)
     assert lin(randn(3, 8)).shape == (3, 4)
