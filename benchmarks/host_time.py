@@ -35,7 +35,7 @@ import sys
 import time
 
 
-def _host_rows(calls: int, repeats: int, stub: bool) -> dict[str, float]:
+def _host_rows(calls: int, repeats: int, stub: bool, profile=()) -> dict:
     if stub:
         os.environ["TRITON_INTERPRET"] = "1"  # read when flash_jvp is imported
     import torch
@@ -107,7 +107,32 @@ def _host_rows(calls: int, repeats: int, stub: bool) -> dict[str, float]:
     }
     if stub:
         rows = {name: fn for name, fn in rows.items() if not name.startswith("flash SDPA")}
-    return {name: per_call(fn) for name, fn in rows.items()}
+    out = {"host_us": {name: per_call(fn) for name, fn in rows.items()}}
+    if profile:
+        out["profiles"] = {name: _profile(rows[name], calls, sync) for name in profile}
+    return out
+
+
+def _profile(fn, calls: int, sync, top: int = 30) -> str:
+    """cProfile of ``calls`` warm calls of fn: the functions with the most own time (where the
+    host time goes: e.g. a launcher run where a replayed plan was expected)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    # CUDA backward passes run on autograd's device threads, which cProfile does not see
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        sync()
+        prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return f"{calls} calls\n" + text.getvalue()
 
 
 def _stub_launchers() -> None:
@@ -136,13 +161,14 @@ def _forward_ad_floor(q, k, tangents):
 
 
 def _child(args) -> None:
-    print("RESULT " + json.dumps({"host_us": _host_rows(args.calls, args.repeats, args.stub)}))
+    print("RESULT " + json.dumps(_host_rows(args.calls, args.repeats, args.stub, args.profile)))
 
 
 def _run_tree(path: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(path), "src"))
     cmd = [sys.executable, __file__, "--child", "--calls", str(args.calls), "--repeats",
-           str(args.repeats), *(["--stub"] if args.stub else [])]  # fmt: skip
+           str(args.repeats), *(["--stub"] if args.stub else []),
+           *(f"--profile={name}" for name in args.profile)]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -196,6 +222,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="CPU proxy: flash_jvp's Python with allocation-only launchers (no GPU needed)",
     )
+    parser.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="ROW",
+        help="also cProfile this row (its name as in the table; repeatable) in every tree, "
+        "written to <date>-<gpu>-host-profile.txt",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -208,6 +242,7 @@ def main(argv=None) -> int:
         return 2
     trees = [t.split("=", 1) for t in args.tree] or [["this tree", "."]]
     results = {name: _run_tree(path, args) for name, path in trees}
+    profiles = {tree: res.pop("profiles", {}) for tree, res in results.items()}
     sys.path.insert(0, os.path.join(os.path.abspath(trees[0][1]), "src"))
     from flash_jvp._env import environment
 
@@ -223,6 +258,11 @@ def main(argv=None) -> int:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(_markdown(meta, results))
+    if args.profile:
+        with open(stem.replace("host-time", "host-profile") + ".txt", "w") as f:
+            for tree, texts in profiles.items():
+                for name, text in texts.items():
+                    f.write(f"##### {tree} ({meta.get('git')}): {name}\n{text}\n")
     print(_markdown(meta, results))
     return 0
 

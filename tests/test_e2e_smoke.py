@@ -203,12 +203,18 @@ def test_host_time_stub_runs():
     TRITON_INTERPRET and replaces the launchers) yields a finite time for every row."""
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, str(root / "benchmarks" / "host_time.py"), "--child", "--stub",
-           "--calls", "2", "--repeats", "1"]  # fmt: skip
+           "--calls", "2", "--repeats", "1", "--profile=flash_jvp fwd+bwd"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root / "src")}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, done.stderr[-2000:]
-    rows = json.loads(lines[0][len("RESULT ") :])["host_us"]
+    result = json.loads(lines[0][len("RESULT ") :])
+    rows = result["host_us"]
+    # --profile: the fwd+bwd row's profile sees our backward (run on the calling thread)
+    assert (
+        "_bwd" in result["profiles"]["flash_jvp fwd+bwd"]
+        or "backward" in result["profiles"]["flash_jvp fwd+bwd"]
+    ), result["profiles"]
     wanted = {"flash_jvp fwd", "flash_jvp fwd+JVP (torch.func.jvp)",
               "flash_jvp sCM step (jvp + backward)",
               "torch.func.jvp of addcmul(q, k, v) (3-input floor)"}  # fmt: skip
