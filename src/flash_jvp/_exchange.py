@@ -41,6 +41,7 @@ from torch._C._functorch import (
 from torch.autograd.function import once_differentiable
 
 from ._function import apply_below, unwrap_level
+from ._utils import tangent
 
 Tensor = torch.Tensor
 
@@ -308,13 +309,6 @@ _NO_TANGENT_GRAD = (
 )
 
 
-def _tangent(x: Tensor) -> Tensor | None:
-    """x's forward-mode tangent at dual level 0 (torch.func.jvp's and forward_ad's), None when
-    absent or a symbolic zero."""
-    t = torch._unpack_dual(x, 0)[1]
-    return None if t is None or t._is_zerotensor() else t
-
-
 def refuse_vmap() -> None:
     """NotImplementedError under torch.func.vmap: a collective cannot be batched."""
     if any(i.key() == TransformType.Vmap for i in get_interpreter_stack() or []):
@@ -340,7 +334,7 @@ def exchange(route, xs: list[Tensor]) -> list[Tensor]:
     """
     refuse_vmap()
     n = len(xs)
-    tangents = [_tangent(x) for x in xs]
+    tangents = [tangent(x) for x in xs]
     has_t = tuple(i for i, t in enumerate(tangents) if t is not None)
     moved = [tangents[i] for i in has_t]
     top = peek_interpreter_stack()

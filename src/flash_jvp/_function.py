@@ -29,7 +29,6 @@ from torch._C._functorch import (
     _unwrap_for_grad,
     _wrap_for_grad,
     get_interpreter_stack,
-    is_batchedtensor,
     is_functorch_wrapped_tensor,
     pop_dynamic_layer_stack,
     push_dynamic_layer_stack,
@@ -38,8 +37,8 @@ from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.pyfunctorch import dispatch_functorch
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from . import _library, _validate, reference
-from ._utils import Spec, no_autocast, tangent_bwd_outputs
+from . import _library, reference
+from ._utils import Spec, no_autocast, tangent, tangent_bwd_outputs
 
 Tensor = torch.Tensor
 
@@ -110,21 +109,6 @@ class _Function(torch.autograd.Function):
         return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
 
 
-def _tangent(x: Tensor | None, name: str) -> Tensor | None:
-    """x's forward-mode tangent, None if absent or a symbolic zero.
-
-    Under a vmap inside the JVP the tangent cannot be unpacked here; FlashAttnJVP.jvp then
-    receives it instead.
-    """
-    if x is None or is_batchedtensor(x):
-        return None
-    t = torch._unpack_dual(x, 0)[1]
-    if t is None or t._is_zerotensor():
-        return None
-    _validate.check_tangent_dtype(x, t, name)
-    return t
-
-
 def _needs_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -178,9 +162,9 @@ def attention(
         with no_autocast(q.device):
             return reference.attention_spec(q, k, v, mask, spec)
     names = ("q", "k", "v") if spec.varlen else ("query", "key", "value")  # as the API's
-    tangents = [_tangent(x, name) for x, name in zip((q, k, v), names)]
+    tangents = [tangent(x, name) for x, name in zip((q, k, v), names)]
     additive = mask is not None and mask.dtype != torch.bool
-    tangents.append(_tangent(mask, "attn_mask") if additive else None)
+    tangents.append(tangent(mask, "attn_mask") if additive else None)
     if not stack:
         if _needs_grad(q, k, v, mask, *tangents):
             return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[:2]

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch._C._functorch import is_batchedtensor
 
 # Triton reads TRITON_INTERPRET when kernels are defined, so this is fixed at import too.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -29,6 +30,29 @@ def uses_kernels(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and INTERPRET and HAS_TRITON
+
+
+def tangent(x, name: str | None = None) -> torch.Tensor | None:
+    """x's forward-mode tangent at dual level 0 (``forward_ad``'s, and a ``torch.func.jvp``'s
+    once its wrappers are taken off); None where x is no tensor, has no tangent or a symbolic
+    zero, or is vmapped (a batched tensor's tangent cannot be unpacked here: it reaches the
+    Function's ``jvp`` instead).
+
+    With ``name`` (the argument's name in the public API), a tangent of another dtype than x's
+    raises ``ValueError`` naming it: torch's make_dual pairs any floating dtypes, while the
+    kernels and the fallback compute a tangent in its primal's dtype.
+    """
+    if not isinstance(x, torch.Tensor) or is_batchedtensor(x):
+        return None
+    t = torch._unpack_dual(x, 0)[1]
+    if t is None or t._is_zerotensor():
+        return None
+    if name is not None and t.dtype != x.dtype:
+        raise ValueError(
+            f"Expected the forward-mode tangent of {name} to have its dtype {x.dtype}, but got "
+            f"{t.dtype}."
+        )
+    return t
 
 
 def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:

@@ -12,7 +12,7 @@ import numbers
 import torch
 from torch.nn.attention.bias import CausalBias
 
-from ._utils import HAS_TRITON, MAX_GRID_Y, MAX_HEAD_DIM, kernel_dtypes
+from ._utils import HAS_TRITON, MAX_GRID_Y, MAX_HEAD_DIM, kernel_dtypes, tangent
 
 Problem = tuple[type[Exception], str]
 FP32_MAX = torch.finfo(torch.float32).max
@@ -478,16 +478,6 @@ def check_varlen(*args) -> None:
         raise exc_type(message)
 
 
-def check_tangent_dtype(x: torch.Tensor, t: torch.Tensor, name: str) -> None:
-    """Raise unless x's forward-mode tangent t has x's dtype: torch's make_dual pairs any
-    floating dtypes, while both paths compute a tangent in its primal's dtype."""
-    if t.dtype != x.dtype:
-        raise ValueError(
-            f"Expected the forward-mode tangent of {name} to have its dtype {x.dtype}, but got "
-            f"{t.dtype}."
-        )
-
-
 def check_fallback_tangents(**named) -> None:
     """On the PyTorch fallback, the tangent dtype check the kernel path makes as it reads the
     tangents (else torch's 'expected scalar type' error, naming no argument). Skipped while
@@ -495,7 +485,4 @@ def check_fallback_tangents(**named) -> None:
     if torch.compiler.is_compiling():
         return
     for name, x in named.items():
-        if isinstance(x, torch.Tensor) and not torch._C._functorch.is_batchedtensor(x):
-            t = torch._unpack_dual(x, 0)[1]
-            if t is not None:
-                check_tangent_dtype(x, t, name)
+        tangent(x, name)

@@ -57,8 +57,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from . import _validate, api
-from ._exchange import AllToAll, Permute, RingShift, Stay, _tangent, exchange, refuse_vmap
-from ._utils import uses_kernels
+from ._exchange import AllToAll, Permute, RingShift, Stay, exchange, refuse_vmap
+from ._utils import tangent, uses_kernels
 
 Tensor = torch.Tensor
 
@@ -569,7 +569,7 @@ def _signature(name, query, key, value, opts, seq_layout, return_lse, refused) -
         sig[f"{arg}.shape"] = shape(x)
         sig[f"{arg}.dtype"] = dtype(x)
         sig[f"{arg}.device type"] = x.device.type if isinstance(x, Tensor) else "-"
-        sig[f"{arg} has a forward-mode tangent"] = isinstance(x, Tensor) and _tangent(x) is not None
+        sig[f"{arg} has a forward-mode tangent"] = tangent(x) is not None
     sig["is_causal"] = opts["is_causal"]
     sig["scale"] = scale if isinstance(scale, numbers.Real) or scale is None else repr(scale)
     sig = {k: list(v) if isinstance(v, tuple) else v for k, v in sig.items()}  # as JSON reads

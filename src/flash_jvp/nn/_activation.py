@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from .. import _plans
 from .._function import _Function
-from .._utils import HAS_TRITON, kernel_dtypes, uses_kernels
-from ._dual import dual_apply, fusable_context, reference_vjp, tangent
+from .._utils import HAS_TRITON, kernel_dtypes, tangent, uses_kernels
+from ._dual import dual_apply, fusable_context, reference_vjp
 from ._norm import on_device
 
 Tensor = torch.Tensor

@@ -37,14 +37,6 @@ def fusable_context() -> bool:
     return not stack or (len(stack) == 1 and stack[0].key() == TransformType.Jvp)
 
 
-def tangent(x: Tensor | None) -> Tensor | None:
-    """x's forward-mode tangent at the innermost level, None if absent or a symbolic zero."""
-    if x is None:
-        return None
-    t = torch._unpack_dual(x, 0)[1]
-    return None if t is None or t._is_zerotensor() else t
-
-
 def dual_apply(fn, primals: list, tangents: list, *consts):
     """``fn.apply(*primals, *tangents, *consts)`` -> (y, y_t, *rest) with y_t (None without
     tangents) made y's tangent at the innermost forward-mode level; returns y."""

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .._function import _Function
-from ._dual import dual_apply, fusable_context, reference_vjp, tangent
+from .._utils import tangent
+from ._dual import dual_apply, fusable_context, reference_vjp
 
 Tensor = torch.Tensor
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -12,8 +12,8 @@ import torch
 
 from .. import _plans
 from .._function import _Function
-from .._utils import HAS_TRITON, kernel_dtypes, no_autocast, uses_kernels
-from ._dual import dual_apply, fusable_context, reference_vjp, tangent
+from .._utils import HAS_TRITON, kernel_dtypes, no_autocast, tangent, uses_kernels
+from ._dual import dual_apply, fusable_context, reference_vjp
 
 Tensor = torch.Tensor
 MAX_WIDTH = 16384  # widest row one program holds (BLOCK_D); wider rows take the plain ops

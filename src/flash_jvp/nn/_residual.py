@@ -7,8 +7,8 @@ import torch
 
 from .. import _plans
 from .._function import _Function
-from .._utils import HAS_TRITON, kernel_dtypes, uses_kernels
-from ._dual import dual_apply, fusable_context, tangent
+from .._utils import HAS_TRITON, kernel_dtypes, tangent, uses_kernels
+from ._dual import dual_apply, fusable_context
 from ._norm import (
     MAX_WIDTH,
     as_groups,
