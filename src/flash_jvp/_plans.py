@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -35,6 +36,7 @@ from ._utils import INTERPRET, Spec
 
 Tensor = torch.Tensor
 
+_DIRECT_LAUNCH = triton.__version__.startswith("3.6.")  # see _direct
 MAX_PLANS = 4096  # keys kept per launcher; dropped all at once past it (shapes that vary per call)
 _UNPLANNED = object()  # a key whose calls run the launcher every time
 _local = threading.local()  # the recording in progress on this thread, if any
@@ -47,6 +49,7 @@ class _Launch:
     values: list  # every kernel argument by position; None where a tensor slot is
     slots: tuple[tuple[int, int], ...]  # (position, source) of the tensor arguments
     descriptors: tuple[tuple, ...]  # (position, source, shape, strides, block, padding)
+    direct: tuple | None  # (launch, cooperative, pdl) where no scratch is needed: see _direct
 
 
 @dataclass
@@ -104,7 +107,8 @@ class _Recording:
             self.ok = False
             return
         grid3 = (*grid, 1, 1)[:3]
-        self.launches.append(_Launch(compiled, grid3, values, tuple(slots), tuple(descriptors)))
+        tensors = (tuple(slots), tuple(descriptors))
+        self.launches.append(_Launch(compiled, grid3, values, *tensors, _direct(compiled)))
 
     def plan(self, result, configs: dict) -> _Plan | None:
         if not self.ok:
@@ -126,28 +130,38 @@ def _tuple(result) -> tuple:
 
 
 def _key(args: tuple, kwargs: dict) -> tuple[tuple, list[Tensor]] | None:
-    """The metadata of a launcher call, and its tensors (None: not plannable here)."""
-    key, tensors = sorted(kwargs), []  # names: which optional arguments were given
-    for a in (*args, *(kwargs[n] for n in key)):
-        if isinstance(a, Spec):
-            a = (a.scale, a.causal_offset, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q,
-                 a.max_seqlen_k)  # fmt: skip
-        else:
+    """The metadata of a launcher call, and its tensors (None: not plannable here). Host time
+    matters here (every eager call of a launcher): one pass, each tensor's data pointer read
+    once, and C getters where torch's Python wrappers add microseconds (``x.is_cuda`` and
+    ``x.get_device()`` make no device object, ``_get_cublas_allow_tf32`` is what
+    ``torch.backends.cuda.matmul.allow_tf32`` returns)."""
+    key, tensors, ptrs = sorted(kwargs), [], []  # names: which optional arguments were given
+    for a in (*args, *(kwargs[n] for n in key)) if kwargs else args:
+        if isinstance(a, Tensor):
             a = (a,)
+        elif type(a) is Spec:
+            key += (a.scale, a.causal_offset, a.max_seqlen_q, a.max_seqlen_k)
+            if a.cu_seqlens_q is None and a.cu_seqlens_k is None:
+                continue
+            a = (a.cu_seqlens_q, a.cu_seqlens_k)
+        else:
+            key.append(a)
+            continue
         for x in a:
-            if isinstance(x, Tensor):
-                if x.device.type != "cuda":
-                    return None
-                tensors.append(x)
-                key.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16))
-            else:
-                key.append(x)
+            if x is None:
+                key.append(None)
+                continue
+            if not x.is_cuda:
+                return None
+            ptr = x.data_ptr()
+            tensors.append(x)
+            ptrs.append(ptr)
+            key.append((x.shape, x.stride(), x.dtype, x.get_device(), ptr % 16))
     if not tensors:
         return None
-    ptrs = [t.data_ptr() for t in tensors]
-    key.append(tuple(ptrs.index(p) for p in ptrs))  # which tensors share a data pointer
-    key.append(torch.cuda.current_device())
-    key.append(torch.backends.cuda.matmul.allow_tf32)  # fp32 products: IEEE or TF32
+    key.append(tuple(map(ptrs.index, ptrs)))  # which tensors share a data pointer
+    key.append(torch._C._cuda_getDevice())  # the device the kernels are launched on
+    key.append(torch._C._get_cublas_allow_tf32())  # fp32 products: IEEE or TF32
     return tuple(key), tensors
 
 
@@ -187,6 +201,19 @@ def planned(configs: Callable[[], dict]) -> Callable:
     return wrap
 
 
+def _direct(compiled) -> tuple | None:
+    """Triton's compiled launcher of ``compiled`` and its fixed flags, for a kernel that needs
+    no global or profile scratch buffer (ours): the launcher object's ``__call__`` only adds
+    two allocator calls before it (a few us per launch). Only for the Triton whose launcher
+    signature this follows (3.6's ``CudaLauncher``); None elsewhere."""
+    run = compiled.run
+    if not _DIRECT_LAUNCH or type(run).__name__ != "CudaLauncher":
+        return None
+    if run.global_scratch_size or run.profile_scratch_size:
+        return None
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl
+
+
 def _replay(plan: _Plan, inputs: list[Tensor]):
     device = inputs[0].device
     sources = list(inputs)
@@ -203,6 +230,11 @@ def _replay(plan: _Plan, inputs: list[Tensor]):
             values[i] = TensorDescriptor(sources[src], list(shape), list(strides), list(block),
                                          padding)  # fmt: skip
         ck = step.compiled
+        if enter is None and step.direct is not None:  # no hook: no launch metadata either
+            launch, cooperative, pdl = step.direct
+            launch(*step.grid, stream, ck.function, cooperative, pdl, None, None,
+                   ck.packed_metadata, None, None, exit_, *values)  # fmt: skip
+            continue
         meta = ck.launch_metadata(step.grid, stream, *values)
         ck.run(*step.grid, stream, ck.function, ck.packed_metadata, meta, enter, exit_, *values)
     results = tuple(None if r is None else sources[r] for r in plan.results)
