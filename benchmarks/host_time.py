@@ -12,7 +12,9 @@ first (the spread between trees' baselines shows the machine's noise).
     python benchmarks/host_time.py --tree after=. --tree before=/path/to/old/checkout \\
         --out benchmarks/results
 
-Writes ``<date>-<gpu>-host-time.{json,md}`` with date, GPU, versions and the git commit.
+Writes ``<date>-<gpu>-host-time.{json,md}`` with date, GPU, versions and the git commit, and
+per row the garbage collections per timed call by generation (a full collection takes
+milliseconds where CUDA and Triton are loaded; cProfile would charge it to one function).
 
 ``--stub`` (no GPU needed): a proxy for A/B runs of flash_jvp's own Python on a CPU. Calls
 run on CPU tensors with ``TRITON_INTERPRET=1`` (so the kernel path is taken) and the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import math
 import os
@@ -50,17 +53,27 @@ def _host_rows(calls: int, repeats: int, stub: bool, profile=()) -> dict:
     if stub:
         _stub_launchers()
 
-    def per_call(fn) -> float:
+    collections = [0, 0, 0]  # garbage collections by generation, while timed
+
+    def count(phase, info):
+        if phase == "start":
+            collections[info["generation"]] += 1
+
+    def per_call(name, fn) -> float:
         for _ in range(20):
             fn()
         sync()
         loops = []
+        collections[:] = [0, 0, 0]
+        gc.callbacks.append(count)
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
             sync()
             loops.append((time.perf_counter() - start) / calls * 1e6)
+        gc.callbacks.remove(count)
+        gc_per_call[name] = [n / (calls * repeats) for n in collections]
         return statistics.median(loops)
 
     def randn(grad=False):
@@ -107,7 +120,9 @@ def _host_rows(calls: int, repeats: int, stub: bool, profile=()) -> dict:
     }
     if stub:
         rows = {name: fn for name, fn in rows.items() if not name.startswith("flash SDPA")}
-    out = {"host_us": {name: per_call(fn) for name, fn in rows.items()}}
+    gc_per_call: dict[str, list[float]] = {}
+    out = {"host_us": {name: per_call(name, fn) for name, fn in rows.items()}}
+    out["gc_per_call"] = gc_per_call  # a full (generation 2) collection costs ms here
     if profile:
         out["profiles"] = {name: _profile(rows[name], calls, sync) for name in profile}
     return out
@@ -115,7 +130,10 @@ def _host_rows(calls: int, repeats: int, stub: bool, profile=()) -> dict:
 
 def _profile(fn, calls: int, sync, top: int = 30) -> str:
     """cProfile of ``calls`` warm calls of fn: the functions with the most own time (where the
-    host time goes: e.g. a launcher run where a replayed plan was expected)."""
+    host time goes: e.g. a launcher run where a replayed plan was expected). The garbage
+    collector is off meanwhile: cProfile charges a collection to whichever function happened
+    to allocate (a full one takes milliseconds in a process with CUDA and Triton loaded);
+    the timed rows count collections instead (``gc_per_call``)."""
     import cProfile
     import io
     import pstats
@@ -125,14 +143,19 @@ def _profile(fn, calls: int, sync, top: int = 30) -> str:
     prof = cProfile.Profile()
     # CUDA backward passes run on autograd's device threads, which cProfile does not see
     with torch.autograd.set_multithreading_enabled(False):
-        prof.enable()
-        for _ in range(calls):
-            fn()
-        sync()
-        prof.disable()
+        gc.collect()
+        gc.disable()
+        try:
+            prof.enable()
+            for _ in range(calls):
+                fn()
+            sync()
+            prof.disable()
+        finally:
+            gc.enable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
-    return f"{calls} calls\n" + text.getvalue()
+    return f"{calls} calls, garbage collector off\n" + text.getvalue()
 
 
 def _stub_launchers() -> None:
@@ -186,6 +209,13 @@ def _markdown(meta: dict, results: dict[str, dict]) -> str:
     for name in names:
         cells = [f"{results[t].get('host_us', {}).get(name, math.nan):.1f}" for t in trees]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    gcs = {t: r["gc_per_call"] for t, r in results.items() if "gc_per_call" in r}
+    if gcs:
+        lines += ["", "Garbage collections per 1000 timed calls, generations 0/1/2:", "",
+                  "| call | " + " | ".join(gcs) + " |", "|---|" + "---|" * len(gcs)]  # fmt: skip
+        for name in names:
+            cells = ["/".join(f"{1000 * n:.0f}" for n in g.get(name, ())) for g in gcs.values()]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for tree, res in results.items():
         if "error" in res:
             lines += ["", f"{tree}: failed: {res['error']}"]

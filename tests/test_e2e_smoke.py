@@ -200,7 +200,8 @@ def test_bad_rows_are_refused():
 
 def test_host_time_stub_runs():
     """benchmarks/host_time.py --stub (the CPU proxy; its own process: it sets
-    TRITON_INTERPRET and replaces the launchers) yields a finite time for every row."""
+    TRITON_INTERPRET and replaces the launchers) yields a finite time and its garbage
+    collection counts for every row."""
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, str(root / "benchmarks" / "host_time.py"), "--child", "--stub",
            "--calls", "2", "--repeats", "1", "--profile=flash_jvp fwd+bwd"]  # fmt: skip
@@ -220,3 +221,5 @@ def test_host_time_stub_runs():
               "torch.func.jvp of addcmul(q, k, v) (3-input floor)"}  # fmt: skip
     assert wanted <= set(rows), rows
     assert all(0 < us < float("inf") for us in rows.values()), rows
+    gcs = result["gc_per_call"]  # collections by generation, per timed call
+    assert set(gcs) == set(rows) and all(len(g) == 3 and min(g) >= 0 for g in gcs.values()), gcs
