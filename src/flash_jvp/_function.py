@@ -198,7 +198,9 @@ def _duals(out: tuple, need_lse: bool, level: int | None) -> tuple[Tensor, Tenso
     """o and lse from (o, lse[, o_t, mu]), with o_t and mu as their tangents, at forward-AD
     level 0 (``level`` None) or wrapped for the torch.func level ``level``; lse None
     (no dual made) without ``need_lse`` where there are tangents."""
-    out = out if level is None else [_wrap_for_grad(x, level) for x in out]
+    if level is not None:  # lse and mu wrapped only where returned (~3 us a wrapper)
+        keep = (True, True) if len(out) == 2 else (True, need_lse, True, need_lse)
+        out = [_wrap_for_grad(x, level) if k else None for x, k in zip(out, keep)]
     if len(out) == 2:
         return out[0], out[1]
     o = torch._make_dual(out[0], out[2], 0)
