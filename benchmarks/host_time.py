@@ -54,6 +54,7 @@ def _host_rows(calls: int, repeats: int, stub: bool, profile=()) -> dict:
         _stub_launchers()
 
     collections = [0, 0, 0]  # garbage collections by generation, while timed
+    gc_per_call: dict[str, list[float]] = {}  # per row: collections a call, by generation
 
     def count(phase, info):
         if phase == "start":
@@ -120,9 +121,8 @@ def _host_rows(calls: int, repeats: int, stub: bool, profile=()) -> dict:
     }
     if stub:
         rows = {name: fn for name, fn in rows.items() if not name.startswith("flash SDPA")}
-    gc_per_call: dict[str, list[float]] = {}
     out = {"host_us": {name: per_call(name, fn) for name, fn in rows.items()}}
-    out["gc_per_call"] = gc_per_call  # a full (generation 2) collection costs ms here
+    out["gc_per_call"] = gc_per_call
     if profile:
         out["profiles"] = {name: _profile(rows[name], calls, sync) for name in profile}
     return out

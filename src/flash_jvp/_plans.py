@@ -141,16 +141,13 @@ def _key(args: tuple, kwargs: dict) -> tuple[tuple, list[Tensor]] | None:
             a = (a,)
         elif type(a) is Spec:
             key += (a.scale, a.causal_offset, a.max_seqlen_q, a.max_seqlen_k)
-            if a.cu_seqlens_q is None and a.cu_seqlens_k is None:
+            if not a.varlen:
                 continue
-            a = (a.cu_seqlens_q, a.cu_seqlens_k)
+            a = (a.cu_seqlens_q, a.cu_seqlens_k)  # both set under varlen
         else:
             key.append(a)
             continue
         for x in a:
-            if x is None:
-                key.append(None)
-                continue
             if not x.is_cuda:
                 return None
             ptr = x.data_ptr()
