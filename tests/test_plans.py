@@ -12,14 +12,11 @@ from torch.nn.attention.bias import causal_lower_right
 import flash_jvp
 from flash_jvp import _ops, _plans, reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not CUDA,
-        reason="plans are made only where Triton compiles kernels (CUDA), not under "
-        "the interpreter",
-    ),
-]
+
+def on_cuda(test):
+    """A test of the GPU tier: plans are made only where Triton compiles (CUDA)."""
+    reason = "plans are made only where Triton compiles kernels (CUDA), not under the interpreter"
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason=reason)(test))
 
 
 @pytest.fixture
@@ -56,6 +53,7 @@ def _case(case: str):
 CASES = ["plain", "fp16_causal", "gqa", "key_padding", "bottom_right", "additive", "descriptors"]
 
 
+@on_cuda
 @pytest.mark.parametrize("case", CASES)
 def test_replayed_calls_match_float64(replays, case):
     """fwd, fwd+JVP and the backward: the second round with fresh inputs is replayed and
@@ -67,6 +65,7 @@ def test_replayed_calls_match_float64(replays, case):
     assert replays[0] >= 3, "fwd, fwd+JVP and the backward should have been replayed"
 
 
+@on_cuda
 def test_tangent_backward_replayed(replays):
     """The backward through o and o_t (a TVM step) twice: the second is replayed."""
 
@@ -87,6 +86,7 @@ def test_tangent_backward_replayed(replays):
     assert replays[0] >= 2
 
 
+@on_cuda
 def test_shared_storage_is_part_of_the_key(replays):
     """attention(x, x, x) and attention(q, k, v) have the same metadata; a plan made for one
     must not hand the other's pointers around."""
@@ -98,6 +98,7 @@ def test_shared_storage_is_part_of_the_key(replays):
     assert replays[0] == 2
 
 
+@on_cuda
 def test_lse_cotangent_runs_the_launcher(replays):
     """A loss on lse updates delta in place: such calls are not planned (and stay right)."""
     q, k, v = (randn(1, 2, 50, 32).requires_grad_() for _ in range(3))
@@ -111,6 +112,7 @@ def test_lse_cotangent_runs_the_launcher(replays):
     assert _plans._UNPLANNED in _ops.attn_bwd_tangent.plans.values()
 
 
+@on_cuda
 def test_new_configs_make_new_plans(replays, monkeypatch):
     """After forget_configs (tune.py), the next call chooses and launches through _launch
     again instead of replaying a plan made with the old choices."""
@@ -129,3 +131,78 @@ def test_new_configs_make_new_plans(replays, monkeypatch):
     _ops.forget_configs()
     flash_jvp.attention(q, k, v)
     assert launched and replays[0] == 1
+
+
+def _plan_launchers() -> set:
+    """The Triton launcher objects of every plan made so far."""
+    return {
+        type(step.compiled.run)
+        for launcher in (_ops.attn_fwd, _ops.attn_bwd_tangent)
+        for plan in launcher.plans.values()
+        if plan is not _plans._UNPLANNED
+        for step in plan.launches
+    }
+
+
+@on_cuda
+@pytest.mark.skipif(not _plans._DIRECT_LAUNCH, reason="the direct launch follows Triton 3.6")
+def test_replay_launches_directly_without_hooks(replays, monkeypatch):
+    """Without launch hooks (Triton 3.6: empty HookChains, never None) a replay calls the
+    compiled launcher itself, not Triton's launcher object, and stays right."""
+    from triton import knobs
+
+    assert not knobs.runtime.launch_enter_hook.calls, "a launch hook is set in this process"
+    q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
+    flash_jvp.attention(q, k, v)  # plans the forward
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("replayed through Triton's launcher object, not directly")
+
+    for launcher_type in _plan_launchers():
+        monkeypatch.setattr(launcher_type, "__call__", refuse)
+    q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
+    ref = reference.math_sdpa(q.double(), k.double(), v.double())
+    assert_close_rel("o", flash_jvp.attention(q, k, v), ref, 2e-2)
+    assert replays[0] == 1
+
+
+@on_cuda
+def test_replay_calls_launch_hooks(replays):
+    """A launch hook (as profilers add) sees every replayed launch, with its kernel's name."""
+    from triton import knobs
+
+    q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
+    flash_jvp.attention(q, k, v)  # plans the forward
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton's launch hook is a plain knob, not a HookChain")
+    chain.add(hook)
+    try:
+        q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
+        ref = reference.math_sdpa(q.double(), k.double(), v.double())
+        assert_close_rel("o", flash_jvp.attention(q, k, v), ref, 2e-2)
+    finally:
+        chain.remove(hook)
+    assert replays[0] == 1
+    assert seen == ["attn_fwd_kernel"]
+
+
+@pytest.mark.parametrize("with_call", [False, True])
+def test_hooks_that_call_nothing_count_as_none(with_call):
+    """Triton 3.6's launch-hook knobs hold a HookChain, never None: an empty one must still
+    let replays skip launch metadata; a chain with a call, or a plain function, is a hook."""
+    from triton import knobs
+
+    if not hasattr(knobs, "HookChain"):
+        pytest.skip("this Triton's launch hooks are plain knobs (None when unset)")
+    chain = knobs.HookChain()
+    if with_call:
+        chain.add(print)
+    assert (_plans._hook(chain) is chain) == with_call
+    assert _plans._hook(None) is None
+    assert _plans._hook(print) is print

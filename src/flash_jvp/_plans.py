@@ -211,6 +211,13 @@ def _direct(compiled) -> tuple | None:
     return run.launch, run.launch_cooperative_grid, run.launch_pdl
 
 
+def _hook(hook):
+    """A launch hook of Triton's, or None where it calls nothing. Triton 3.6's knobs hold an
+    always-present ``HookChain`` (empty unless a profiler adds to it) where older ones held
+    None; a plain function assigned to the knob is a hook too."""
+    return None if hook is None or not getattr(hook, "calls", True) else hook
+
+
 def _replay(plan: _Plan, inputs: list[Tensor]):
     device = inputs[0].device
     sources = list(inputs)
@@ -218,7 +225,8 @@ def _replay(plan: _Plan, inputs: list[Tensor]):
         make = torch.zeros if zeroed else allocate
         sources.append(make(shape, device=device, dtype=dtype))
     stream = torch._C._cuda_getCurrentRawStream(device.index)
-    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    enter, exit_ = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+    direct = enter is None and exit_ is None
     for step in plan.launches:
         values = step.values.copy()
         for i, src in step.slots:
@@ -227,10 +235,10 @@ def _replay(plan: _Plan, inputs: list[Tensor]):
             values[i] = TensorDescriptor(sources[src], list(shape), list(strides), list(block),
                                          padding)  # fmt: skip
         ck = step.compiled
-        if enter is None and step.direct is not None:  # no hook: no launch metadata either
+        if direct and step.direct is not None:  # no hook: no launch metadata either
             launch, cooperative, pdl = step.direct
             launch(*step.grid, stream, ck.function, cooperative, pdl, None, None,
-                   ck.packed_metadata, None, None, exit_, *values)  # fmt: skip
+                   ck.packed_metadata, None, None, None, *values)  # fmt: skip
             continue
         meta = ck.launch_metadata(step.grid, stream, *values)
         ck.run(*step.grid, stream, ck.function, ck.packed_metadata, meta, enter, exit_, *values)
