@@ -24,13 +24,18 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$out/gpu.txt"
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
 for step in $steps; do
   case $step in
     tests|slow) [ "$step" = tests ] && marks="not slow" || marks=slow
+             # the slow tier's cross products peak at ~4-8 GB a worker: 16 fit the H200's
+             # 141 GB, not the H100's 80 (out-of-memory failures at 16 there, none at 4)
+             workers=${WORKERS:-16}
+             [ "$step" = slow ] && [ -z "${WORKERS:-}" ] && [ "${mem_mib:-0}" -lt 120000 ] && workers=8
              # one thread per test process: 16 processes on 16 cores compile (Triton,
              # Inductor) and are CPU-bound; torch's and Inductor's own pools oversubscribe
              OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 timeout "${TESTS_TIMEOUT:-900}" \
-               python3 -m pytest ${TESTS:-tests} -m "$marks" -q -n "${WORKERS:-16}" \
+               python3 -m pytest ${TESTS:-tests} -m "$marks" -q -n "$workers" \
                -p no:cacheprovider --durations=25 2>&1 \
                | tee "$out/gpu-$step.txt" || status=1 ;;
     check) python3 -m flash_jvp check --json "$out/check.json" 2>&1 \
