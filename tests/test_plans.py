@@ -158,7 +158,9 @@ def test_replay_launches_directly_without_hooks(replays, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("replayed through Triton's launcher object, not directly")
 
-    for launcher_type in _plan_launchers():
+    launcher_types = _plan_launchers()
+    assert launcher_types, "the first call made no plan"
+    for launcher_type in launcher_types:
         monkeypatch.setattr(launcher_type, "__call__", refuse)
     q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
     ref = reference.math_sdpa(q.double(), k.double(), v.double())
