@@ -133,6 +133,13 @@ def test_new_configs_make_new_plans(replays, monkeypatch):
     assert launched and replays[0] == 1
 
 
+def _fresh_forward_matches_float64() -> None:
+    """A bf16 forward on fresh inputs (the same metadata each time), checked against float64."""
+    q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
+    ref = reference.math_sdpa(q.double(), k.double(), v.double())
+    assert_close_rel("o", flash_jvp.attention(q, k, v), ref, 2e-2)
+
+
 def _plan_launchers() -> set:
     """The Triton launcher objects of every plan made so far."""
     return {
@@ -152,8 +159,7 @@ def test_replay_launches_directly_without_hooks(replays, monkeypatch):
     from triton import knobs
 
     assert not knobs.runtime.launch_enter_hook.calls, "a launch hook is set in this process"
-    q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
-    flash_jvp.attention(q, k, v)  # plans the forward
+    _fresh_forward_matches_float64()  # plans the forward
 
     def refuse(*args, **kwargs):
         raise AssertionError("replayed through Triton's launcher object, not directly")
@@ -162,9 +168,7 @@ def test_replay_launches_directly_without_hooks(replays, monkeypatch):
     assert launcher_types, "the first call made no plan"
     for launcher_type in launcher_types:
         monkeypatch.setattr(launcher_type, "__call__", refuse)
-    q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
-    ref = reference.math_sdpa(q.double(), k.double(), v.double())
-    assert_close_rel("o", flash_jvp.attention(q, k, v), ref, 2e-2)
+    _fresh_forward_matches_float64()
     assert replays[0] == 1
 
 
@@ -173,8 +177,7 @@ def test_replay_calls_launch_hooks(replays):
     """A launch hook (as profilers add) sees every replayed launch, with its kernel's name."""
     from triton import knobs
 
-    q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
-    flash_jvp.attention(q, k, v)  # plans the forward
+    _fresh_forward_matches_float64()  # plans the forward
     seen = []
 
     def hook(metadata):
@@ -185,9 +188,7 @@ def test_replay_calls_launch_hooks(replays):
         pytest.skip("this Triton's launch hook is a plain knob, not a HookChain")
     chain.add(hook)
     try:
-        q, k, v = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
-        ref = reference.math_sdpa(q.double(), k.double(), v.double())
-        assert_close_rel("o", flash_jvp.attention(q, k, v), ref, 2e-2)
+        _fresh_forward_matches_float64()
     finally:
         chain.remove(hook)
     assert replays[0] == 1
