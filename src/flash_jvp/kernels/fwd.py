@@ -159,8 +159,14 @@ def _attn_fwd_inner(
             qk = qk * qk_scale + tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
         else:
             qk = qk * qk_scale
-        if MASK == 1 or (MASK == 2 and IS_CAUSAL):
+        if MASK == 1:
             keep = score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL)
+            qk = tl.where(keep, qk, float("-inf"))
+        elif MASK == 2 and IS_CAUSAL:
+            # rows rebuilt from scalars: offs_m, a register tensor from outside the loop, read
+            # wrong inside the warp-specialised loop (causal o, o_t off by 0.2-0.6, H100)
+            rows = tl.program_id(0) * offs_m.shape[0] + tl.arange(0, offs_m.shape[0])
+            keep = score_mask(rows, offs_n, Lk, causal_offset, IS_CAUSAL)
             qk = tl.where(keep, qk, float("-inf"))
         if MASK_KIND != 0:
             vals = load_mask(mask_base, offs_m, offs_n, stride_mm, stride_mn, Lq, Lk,
