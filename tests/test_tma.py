@@ -31,29 +31,22 @@ DTYPE = torch.bfloat16 if CUDA else torch.float16
 
 
 @pytest.fixture
-def tma_seen(monkeypatch) -> list[tuple[bool, bool, bool]]:
-    """(tangent, TMA, WS) of every forward launch, every forward config asking for descriptors
-    (and on the CPU for warp specialisation, where the launch allows it)."""
+def tma_seen(monkeypatch) -> list[tuple[bool, bool]]:
+    """(tangent, TMA) of every forward launch, every forward config asking for descriptors."""
     if not CUDA:
         monkeypatch.setattr(_ops, "_tma_capable", lambda device: True)
         monkeypatch.setattr(configs, "SHORT_LK", 0)
     candidates = configs._candidates
-
-    # the interpreter has no warp specialisation but runs the one-loop schedule it takes
-    def forced(*args, **kwargs):
-        return [dataclasses.replace(c, tma=True, ws=c.ws or not CUDA)
-                for c in candidates(*args, **kwargs)]  # fmt: skip
-
-    monkeypatch.setattr(configs, "_candidates", forced)
+    monkeypatch.setattr(configs, "_candidates", lambda *a, **kw: [
+        dataclasses.replace(c, tma=True) for c in candidates(*a, **kw)])  # fmt: skip
     monkeypatch.setattr(_ops, "_CHOSEN", {})  # no config chosen outside this test
-    seen: list[tuple[bool, bool, bool]] = []
+    seen: list[tuple[bool, bool]] = []
     launch = _ops._launch
 
     def spy(kernel, grid, candidates, key, cfg_args=lambda cfg: {}, **args):
         if kernel is attn_fwd_kernel:
             tangent = any(args[f"HAS_{x}_T"] for x in ("Q", "K", "V", "MASK"))
-            switches = cfg_args(candidates[0])
-            seen.append((tangent, switches["TMA"], switches["WS"]))
+            seen.append((tangent, cfg_args(candidates[0])["TMA"]))
         return launch(kernel, grid, candidates, key, cfg_args, **args)
 
     monkeypatch.setattr(_ops, "_launch", spy)
@@ -66,23 +59,11 @@ def _bhle(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "case",
-    [
-        "plain",
-        "gqa_causal_bool",
-        "additive",
-        "bhle",
-        "e16",
-        "e64",
-        "e112",
-        "bottom_right",
-        "varlen",
-    ],
+    "case", ["plain", "gqa_causal_bool", "additive", "bhle", "e16", "e64", "e112", "bottom_right"]
 )
 def test_descriptor_path(tma_seen, case):
     """fwd+JVP and the primal forward (under the gradient) through descriptors; 112: one
-    128-column tile, 16 padding columns; varlen: one descriptor per packed sequence, whose
-    end bounds its key tiles."""
+    128-column tile, 16 padding columns."""
     E = int(case[1:]) if case[0] == "e" else 128
     Hkv = 1 if case == "gqa_causal_bool" else 2
     Lq = L // 2 if case == "bottom_right" else L
@@ -102,42 +83,27 @@ def test_descriptor_path(tma_seen, case):
         from torch.nn.attention.bias import causal_lower_right
 
         kwargs = dict(attn_mask=causal_lower_right(Lq, L))
-    if case == "varlen":  # three packed sequences (ends inside tiles), against math SDPA on each
-        lens = torch.tensor([0, L // 3, L // 3 + 5, L], dtype=torch.int32, device=DEVICE)
-        q, k, v, *tangents, do = (x[0].transpose(0, 1) for x in (q, k, v, *tangents, do))
-        check_varlen(q, k, v, tuple(tangents), do, lens, lens)
-    else:
-        assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, **kwargs)
-    assert {tangent for tangent, _, _ in tma_seen} == {False, True}, tma_seen
-    assert all(tma for _, tma, _ in tma_seen), tma_seen
-    # the warp-specialised schedule: where no attn_mask is read and batches are dense (on the
-    # GPU: where a shipped config has it, E = 128 with a tangent)
-    ws_allowed = case not in (
-        "gqa_causal_bool",
-        "additive",
-        "varlen",
-    )  # causal_lower_right: no mask
-    if not CUDA:
-        assert all(ws == ws_allowed for _, _, ws in tma_seen), tma_seen
-    elif case in ("plain", "bhle", "bottom_right"):
-        assert any(ws for _, _, ws in tma_seen), tma_seen
-    else:
-        assert ws_allowed or not any(ws for _, _, ws in tma_seen), tma_seen
+    assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, **kwargs)
+    assert {tangent for tangent, _ in tma_seen} == {False, True}, tma_seen
+    assert all(tma for _, tma in tma_seen), tma_seen
 
 
-@pytest.mark.parametrize("case", ["unaligned_rows", "unaligned_data", "fp32", "split_tiles"])
+@pytest.mark.parametrize("case", ["unaligned_rows", "fp32", "split_tiles", "varlen"])
 def test_pointer_path_where_no_descriptor(tma_seen, case):
-    """Row strides that are not 16-byte multiples, data not 16-byte aligned, fp32 and split
-    head-dim tiles (96 = 64 + 32) take the pointer loads, with the same results."""
+    """Row strides that are not 16-byte multiples, fp32, split head-dim tiles (96 = 64 + 32)
+    and packed batches take the pointer loads, with the same results."""
     E = 96 if case == "split_tiles" else 128
     dtype = torch.float32 if case == "fp32" else DTYPE
     q, k, v, tangents, do = qkv(1, 2, 2, L, L, E, dtype=dtype)
     if case == "unaligned_rows":  # rows 132 elements apart: 264 bytes
         k = torch.cat([k, k[..., :4]], dim=-1)[..., :E]
-    if case == "unaligned_data":  # v starts 2 elements into its storage
-        v = torch.empty(v.numel() + 2, device=DEVICE, dtype=dtype)[2:].view_as(v).copy_(v)
-    assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do)
-    assert tma_seen and not any(tma or ws for _, tma, ws in tma_seen), tma_seen
+    if case == "varlen":  # two packed sequences, against math SDPA on each
+        lens = torch.tensor([0, L // 3, L], dtype=torch.int32, device=DEVICE)
+        q, k, v, *tangents, do = (x[0].transpose(0, 1) for x in (q, k, v, *tangents, do))
+        check_varlen(q, k, v, tuple(tangents), do, lens, lens)
+    else:
+        assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do)
+    assert tma_seen and not any(tma for _, tma in tma_seen), tma_seen
 
 
 def test_nan_past_key_padding(tma_seen):
@@ -164,4 +130,4 @@ def test_nan_past_key_padding(tma_seen):
     for name, a, b in zip(("o", "o_t"), *outs):
         assert torch.equal(a, b), f"{name} differs when the keys past the padding are NaN"
     assert_matches_reference(flash_jvp.attention, *clean[:3], tuple(clean[3:]), do, attn_mask=mask)
-    assert all(tma and not ws for _, tma, ws in tma_seen), tma_seen
+    assert all(tma for _, tma in tma_seen), tma_seen
