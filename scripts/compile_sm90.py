@@ -23,7 +23,6 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flash_jvp import _ops
 from flash_jvp._utils import Spec
@@ -71,9 +70,6 @@ def compile_launch(kernel, cfg, args) -> str:
         val = cfg.kwargs()[p.name] if cfg is not None and p.name in cfg.kwargs() else args[p.name]
         if p.is_constexpr:
             sig[p.name], consts[p.name] = "constexpr", val
-        elif isinstance(val, TensorDescriptor):
-            block = ",".join(map(str, val.block_shape))
-            sig[p.name] = f"tensordesc<{POINTER[val.base.dtype][1:]}[{block}]>"
         elif isinstance(val, torch.Tensor):
             sig[p.name], attrs[(i,)] = POINTER[val.dtype], [["tt.divisibility", 16]]
         elif isinstance(val, float):
@@ -112,6 +108,8 @@ def _compile_report(kernel, sig, consts, attrs, options) -> str:
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     smem = compiled.metadata.shared
     flags = (" SMEM>LIMIT" if smem > SMEM_LIMIT else "") + (" SPILLS" if stack else "")
+    if "ttg.warp_specialize" in compiled.asm["ttgir"]:  # the loop was warp-specialised
+        flags += " WARP-SPECIALISED"
     return (f"regs {regs:3d} stack {stack:5d} smem {smem:6d} R2UR {sass.count('R2UR'):3d} "
             f"WARPSYNC {sass.count('WARPSYNC')}{flags}")  # fmt: skip
 

@@ -13,11 +13,12 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import CUDA, DEVICE, assert_matches_reference, needs_kernels, qkv
+from helpers import CUDA, DEVICE, assert_close_rel, assert_matches_reference, needs_kernels, qkv
 from test_varlen import check_varlen
+from torch.nn.attention.bias import causal_lower_right
 
 import flash_jvp
-from flash_jvp import _ops
+from flash_jvp import _ops, reference
 from flash_jvp.kernels import configs
 from flash_jvp.kernels.fwd import attn_fwd_kernel
 
@@ -26,27 +27,34 @@ pytestmark = [
     needs_kernels,
     pytest.mark.skipif(CUDA and not HOPPER, reason="tensor descriptors serve Hopper only"),
 ]
-L = 600 if CUDA else 77  # more keys than configs.SHORT_LK on the GPU
+L = 600 if CUDA else 76  # more keys than configs.SHORT_LK on the GPU; a multiple of 4 (WS)
 DTYPE = torch.bfloat16 if CUDA else torch.float16
 
 
 @pytest.fixture
-def tma_seen(monkeypatch) -> list[tuple[bool, bool]]:
-    """(tangent, TMA) of every forward launch, every forward config asking for descriptors."""
+def tma_seen(monkeypatch) -> list[tuple[bool, bool, bool]]:
+    """(tangent, TMA, WS) of every forward launch, every forward config asking for descriptors
+    (and on the CPU for warp specialisation, where the launch allows it)."""
     if not CUDA:
         monkeypatch.setattr(_ops, "_tma_capable", lambda device: True)
         monkeypatch.setattr(configs, "SHORT_LK", 0)
     candidates = configs._candidates
-    monkeypatch.setattr(configs, "_candidates", lambda *a, **kw: [
-        dataclasses.replace(c, tma=True) for c in candidates(*a, **kw)])  # fmt: skip
+
+    # the interpreter has no warp specialisation but runs the one-loop schedule it takes
+    def forced(*args, **kwargs):
+        return [dataclasses.replace(c, tma=True, ws=c.ws or not CUDA)
+                for c in candidates(*args, **kwargs)]  # fmt: skip
+
+    monkeypatch.setattr(configs, "_candidates", forced)
     monkeypatch.setattr(_ops, "_CHOSEN", {})  # no config chosen outside this test
-    seen: list[tuple[bool, bool]] = []
+    seen: list[tuple[bool, bool, bool]] = []
     launch = _ops._launch
 
     def spy(kernel, grid, candidates, key, cfg_args=lambda cfg: {}, **args):
         if kernel is attn_fwd_kernel:
             tangent = any(args[f"HAS_{x}_T"] for x in ("Q", "K", "V", "MASK"))
-            seen.append((tangent, cfg_args(candidates[0])["TMA"]))
+            switches = cfg_args(candidates[0])
+            seen.append((tangent, switches["TMA"], switches["WS"]))
         return launch(kernel, grid, candidates, key, cfg_args, **args)
 
     monkeypatch.setattr(_ops, "_launch", spy)
@@ -59,11 +67,23 @@ def _bhle(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "case", ["plain", "gqa_causal_bool", "additive", "bhle", "e16", "e64", "e112", "bottom_right"]
+    "case",
+    [
+        "plain",
+        "gqa_causal_bool",
+        "additive",
+        "bhle",
+        "e16",
+        "e64",
+        "e112",
+        "bottom_right",
+        "varlen",
+    ],
 )
 def test_descriptor_path(tma_seen, case):
     """fwd+JVP and the primal forward (under the gradient) through descriptors; 112: one
-    128-column tile, 16 padding columns."""
+    128-column tile, 16 padding columns; varlen: one descriptor per packed sequence, whose
+    end bounds its key tiles."""
     E = int(case[1:]) if case[0] == "e" else 128
     Hkv = 1 if case == "gqa_causal_bool" else 2
     Lq = L // 2 if case == "bottom_right" else L
@@ -80,30 +100,68 @@ def test_descriptor_path(tma_seen, case):
         tangents = tuple(_bhle(x) for x in tangents)
         kwargs = dict(is_causal=True)
     elif case == "bottom_right":
-        from torch.nn.attention.bias import causal_lower_right
-
         kwargs = dict(attn_mask=causal_lower_right(Lq, L))
-    assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, **kwargs)
-    assert {tangent for tangent, _ in tma_seen} == {False, True}, tma_seen
-    assert all(tma for _, tma in tma_seen), tma_seen
+    if case == "varlen":  # three packed sequences (ends inside tiles), against math SDPA on each
+        lens = torch.tensor([0, L // 3, L // 3 + 5, L], dtype=torch.int32, device=DEVICE)
+        q, k, v, *tangents, do = (x[0].transpose(0, 1) for x in (q, k, v, *tangents, do))
+        check_varlen(q, k, v, tuple(tangents), do, lens, lens)
+    else:
+        assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, **kwargs)
+    assert {tangent for tangent, _, _ in tma_seen} == {False, True}, tma_seen
+    assert all(tma for _, tma, _ in tma_seen), tma_seen
+    # the warp-specialised schedule: where no attn_mask is read and batches are dense (on the
+    # GPU: where a shipped config has it, E = 128 with a tangent)
+    # (causal_lower_right: no mask) and whose lse rows start 16-byte aligned (Lq % 4 == 0)
+    ws_allowed = case not in ("gqa_causal_bool", "additive", "varlen") and Lq % 4 == 0
+    if not CUDA:
+        assert all(ws == ws_allowed for _, _, ws in tma_seen), tma_seen
+    elif case in ("plain", "bhle", "bottom_right"):
+        assert any(ws for _, _, ws in tma_seen), tma_seen
+    else:
+        assert ws_allowed or not any(ws for _, _, ws in tma_seen), tma_seen
 
 
-@pytest.mark.parametrize("case", ["unaligned_rows", "fp32", "split_tiles", "varlen"])
+@pytest.mark.parametrize("case", ["plain", "causal", "lower_right", "gqa", "odd_rows"])
+def test_lse_and_mu_through_descriptors(tma_seen, case):
+    """lse and its tangent mu (stored after the key loop: through 1-D descriptors under warp
+    specialisation, where pointer stores wrote nothing on sm_90) and o, o_t against float64,
+    under torch.func.jvp; odd_rows: Lq % 4 != 0, lse rows unaligned, so no warp
+    specialisation (the launch says which)."""
+    Lq = {"lower_right": 4 * (L // 8), "odd_rows": L - 1}.get(case, L)
+    q, k, v, tangents, _ = qkv(2, 2, 1 if case == "gqa" else 2, Lq, L, 128, dtype=DTYPE)
+    kw = {"causal": dict(is_causal=True), "gqa": dict(enable_gqa=True)}.get(case, {})
+    if case == "lower_right":
+        kw = dict(attn_mask=causal_lower_right(Lq, L))
+    (o, lse), (o_t, mu) = torch.func.jvp(
+        lambda q, k, v: flash_jvp.attention_with_lse(q, k, v, **kw), (q, k, v), tangents
+    )
+    d = [x.double() for x in (q, k, v, *tangents)]
+    (o_r, lse_r), (o_t_r, mu_r) = torch.func.jvp(
+        lambda q, k, v: reference.attention_ref(q, k, v, return_lse=True, **kw),
+        tuple(d[:3]),
+        tuple(d[3:]),
+    )
+    tol = 1.5e-2 if DTYPE == torch.bfloat16 else 2e-3
+    for name, x, ref in (("o", o, o_r), ("o_t", o_t, o_t_r), ("mu", mu, mu_r)):
+        assert_close_rel(name, x, ref, tol)
+    assert_close_rel("lse", lse, lse_r, 1e-3)
+    ws = [ws for tangent, _, ws in tma_seen if tangent]
+    assert ws and all(ws) == (case != "odd_rows"), tma_seen
+
+
+@pytest.mark.parametrize("case", ["unaligned_rows", "unaligned_data", "fp32", "split_tiles"])
 def test_pointer_path_where_no_descriptor(tma_seen, case):
-    """Row strides that are not 16-byte multiples, fp32, split head-dim tiles (96 = 64 + 32)
-    and packed batches take the pointer loads, with the same results."""
+    """Row strides that are not 16-byte multiples, data not 16-byte aligned, fp32 and split
+    head-dim tiles (96 = 64 + 32) take the pointer loads, with the same results."""
     E = 96 if case == "split_tiles" else 128
     dtype = torch.float32 if case == "fp32" else DTYPE
     q, k, v, tangents, do = qkv(1, 2, 2, L, L, E, dtype=dtype)
     if case == "unaligned_rows":  # rows 132 elements apart: 264 bytes
         k = torch.cat([k, k[..., :4]], dim=-1)[..., :E]
-    if case == "varlen":  # two packed sequences, against math SDPA on each
-        lens = torch.tensor([0, L // 3, L], dtype=torch.int32, device=DEVICE)
-        q, k, v, *tangents, do = (x[0].transpose(0, 1) for x in (q, k, v, *tangents, do))
-        check_varlen(q, k, v, tuple(tangents), do, lens, lens)
-    else:
-        assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do)
-    assert tma_seen and not any(tma for _, tma in tma_seen), tma_seen
+    if case == "unaligned_data":  # v starts 2 elements into its storage
+        v = torch.empty(v.numel() + 2, device=DEVICE, dtype=dtype)[2:].view_as(v).copy_(v)
+    assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do)
+    assert tma_seen and not any(tma or ws for _, tma, ws in tma_seen), tma_seen
 
 
 def test_nan_past_key_padding(tma_seen):
@@ -130,4 +188,4 @@ def test_nan_past_key_padding(tma_seen):
     for name, a, b in zip(("o", "o_t"), *outs):
         assert torch.equal(a, b), f"{name} differs when the keys past the padding are NaN"
     assert_matches_reference(flash_jvp.attention, *clean[:3], tuple(clean[3:]), do, attn_mask=mask)
-    assert all(tma for _, tma in tma_seen), tma_seen
+    assert all(tma and not ws for _, tma, ws in tma_seen), tma_seen

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from triton.runtime.errors import OutOfResources
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _plans
 from ._utils import MAX_GRID_Y, Spec, tangent_bwd_outputs, tangent_bwd_runs
@@ -272,41 +271,28 @@ def _tma_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _tma_strides(x: Tensor) -> list[int] | None:
-    """The strides of a (B, H, L, E) tensor as a tensor descriptor takes them (16-byte
-    aligned base and strides, unit column stride; a size-1 dim's stride is never used, so
-    any aligned one does), or None if it cannot be described."""
+def _describable(x: Tensor) -> bool:
+    """Whether the kernels can make tensor descriptors of a (B, H, L, E) view's matrices
+    (common.tile_desc): 16-byte aligned data and (B, H, L) strides, unit column stride.
+    A size-1 dim's stride is never multiplied by more than 0, so it may be anything."""
     align = 16 // x.element_size()
-    if x.stride(3) != 1 or x.data_ptr() % 16:
-        return None
-    strides = [st if n > 1 else align for st, n in zip(x.stride()[:3], x.shape[:3])]
-    return strides + [1] if all(st > 0 and st % align == 0 for st in strides) else None
+    if x.data_ptr() % 16 or (x.stride(3) != 1 and x.shape[3] != 1):
+        return False
+    return all(st % align == 0 or n == 1 for st, n in zip(x.stride()[:3], x.shape[:3]))
 
 
-def _key_args(tiles: dict[str, int], spec: Spec, **keys: Tensor | None) -> Callable[[Config], dict]:
-    """The forward kernel's config-dependent arguments: TMA and the descriptors K_DESC,
-    V_DESC, K_T_DESC, V_T_DESC of ``keys`` (k, v and their tangents, None if absent). A
-    config with ``tma`` gets descriptors, one [BLOCK_N, head-dim tile] block each, where
-    Hopper can describe every tensor: dense, fp16/bf16, single head-dim tiles, aligned
-    strides. Otherwise (and in an absent tensor's slot) a pointer stands in, never read."""
-    k = keys["K_DESC"]
-    pointers = dict(TMA=False, **{name: k for name in keys})
-
-    def args(cfg: Config) -> dict:
-        if (not cfg.tma or spec.varlen or tiles["HEAD_DIM_TAIL"] or tiles["HEAD_DIM_V_TAIL"]
-                or k.dtype not in (torch.float16, torch.bfloat16)
-                or not _tma_capable(k.device)):  # fmt: skip
-            return pointers
-        strides = {name: _tma_strides(x) for name, x in keys.items() if x is not None}
-        if any(st is None for st in strides.values()):
-            return pointers
-        cols = {"K": tiles["HEAD_DIM"], "V": tiles["HEAD_DIM_V"]}
-        descs = {name: TensorDescriptor(x, list(x.shape), strides[name],
-                                        [1, 1, cfg.BLOCK_N, cols[name[0]]])
-                 for name, x in keys.items() if x is not None}  # fmt: skip
-        return {**pointers, **descs, "TMA": True}
-
-    return args
+def _tma(tiles: dict[str, int], *tensors: Tensor | None) -> bool:
+    """Whether the forward kernel can move every tile of ``tensors`` (q, k, v, o and the
+    tangents) through tensor descriptors (TMA; its config decides whether it does): Hopper,
+    fp16/bf16, single head-dim tiles, each tensor _describable."""
+    x = tensors[0]
+    return (
+        not tiles["HEAD_DIM_TAIL"]
+        and not tiles["HEAD_DIM_V_TAIL"]
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and _tma_capable(x.device)
+        and all(_describable(t) for t in tensors if t is not None)
+    )
 
 
 @_plans.planned(_chosen)
@@ -353,8 +339,12 @@ def attn_fwd(
         _view(x, spec, lay.B) for x in (q, k, v, o, q_t, k_t, v_t, o_t)
     )
     width, short = _tile_width(tiles), lay.Lk <= configs.SHORT_LK
-    key_args = _key_args(tiles, spec, K_DESC=k4, V_DESC=v4, K_T_DESC=k_t4, V_T_DESC=v_t4)
-    key = ("fwd", tuple(tiles.values()), short, q.dtype, tuple(flags.values()), q.device.index)
+    tma = _tma(tiles, q4, k4, v4, o4, q_t4, k_t4, v_t4, o_t4)
+    # the warp-specialised loop: one per kernel, no attn_mask loads, no varlen; lse and mu
+    # stored through 1-D descriptors, whose (b, h) rows start 16-byte aligned (fwd.py)
+    ws = tma and mask is None and mask_t is None and not spec.varlen and lay.Lq % 4 == 0
+    key = ("fwd", tuple(tiles.values()), short, tma, ws, q.dtype, tuple(flags.values()),
+           q.device.index)  # fmt: skip
     args = dict(
         Q=q4, K=k4, V=v4, O=o4, LSE=lse, MU=_or(mu, lse),
         # absent tensors: any valid pointer, never read (the switches are compile-time)
@@ -373,9 +363,9 @@ def attn_fwd(
         _launch(
             attn_fwd_kernel,
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
-            configs.fwd(width, q.dtype, tangent, short),
+            configs.fwd(width, q.dtype, tangent, short, ws),
             key + (split,),
-            key_args,
+            lambda cfg: {"TMA": tma and cfg.tma, "WS": ws and cfg.tma and cfg.ws},
             MASK_SPLIT=split,
             **args,
         )

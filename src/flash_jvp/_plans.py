@@ -22,6 +22,7 @@ made where Triton compiles (CUDA, not the interpreter).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 from collections.abc import Callable
@@ -30,7 +31,6 @@ from dataclasses import dataclass
 import torch
 import triton
 from triton import knobs
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._utils import INTERPRET, Spec
 
@@ -48,8 +48,7 @@ class _Launch:
     grid: tuple[int, int, int]
     values: list  # every kernel argument by position; None where a tensor slot is
     slots: tuple[tuple[int, int], ...]  # (position, source) of the tensor arguments
-    descriptors: tuple[tuple, ...]  # (position, source, shape, strides, block, padding)
-    direct: tuple | None  # (launch, cooperative, pdl) where no scratch is needed: see _direct
+    direct: tuple | None  # (launch, cooperative, pdl, scratch bytes per program): see _direct
 
 
 @dataclass
@@ -92,23 +91,16 @@ class _Recording:
             self.ok = False
             return
         bound = kernel.device_caches[device][4](**kwargs)[0]  # triton's argument binder
-        values, slots, descriptors = list(bound.values()), [], []
+        values, slots = list(bound.values()), []
         for i, value in enumerate(values):
             if isinstance(value, Tensor):
                 slots.append((i, self.source(value)))
-            elif isinstance(value, TensorDescriptor):
-                descriptors.append((i, self.source(value.base), tuple(value.shape),
-                                    tuple(value.strides), tuple(value.block_shape),
-                                    value.padding))  # fmt: skip
-            else:
-                continue
-            values[i] = None  # no tensor is kept alive by a plan
-        if any(s[1] is None for s in (*slots, *descriptors)):
+                values[i] = None  # no tensor is kept alive by a plan
+        if any(s[1] is None for s in slots):
             self.ok = False
             return
         grid3 = (*grid, 1, 1)[:3]
-        tensors = (tuple(slots), tuple(descriptors))
-        self.launches.append(_Launch(compiled, grid3, values, *tensors, _direct(compiled)))
+        self.launches.append(_Launch(compiled, grid3, values, tuple(slots), _direct(compiled)))
 
     def plan(self, result, configs: dict) -> _Plan | None:
         if not self.ok:
@@ -199,16 +191,38 @@ def planned(configs: Callable[[], dict]) -> Callable:
 
 
 def _direct(compiled) -> tuple | None:
-    """Triton's compiled launcher of ``compiled`` and its fixed flags, for a kernel that needs
-    no global or profile scratch buffer (ours): the launcher object's ``__call__`` only adds
-    two allocator calls before it (a few us per launch). Only for the Triton whose launcher
-    signature this follows (3.6's ``CudaLauncher``); None elsewhere."""
+    """Triton's compiled launcher of ``compiled``, its fixed flags and the global scratch it
+    takes per program (the forward's tensor descriptors, made on the device): the launcher
+    object's ``__call__`` only adds the scratch allocations before it (a few us per launch),
+    which a replay makes itself. Only for the Triton whose launcher signature this follows
+    (3.6's ``CudaLauncher``) and kernels without profile scratch; None elsewhere."""
     run = compiled.run
-    if not _DIRECT_LAUNCH or type(run).__name__ != "CudaLauncher":
+    if not _DIRECT_LAUNCH or type(run).__name__ != "CudaLauncher" or run.profile_scratch_size:
         return None
-    if run.global_scratch_size or run.profile_scratch_size:
-        return None
-    return run.launch, run.launch_cooperative_grid, run.launch_pdl
+    return (
+        run.launch,
+        run.launch_cooperative_grid,
+        run.launch_pdl,
+        run.global_scratch_size * run.num_ctas,
+    )
+
+
+def _scratch(size: int, alignment: int, stream) -> Tensor:
+    """Triton's allocator for a kernel's global scratch: torch's caching allocator on the
+    current device (a block of its is at least 512-byte aligned), whose stream order keeps
+    the buffer until the kernel (launched on the current stream) has run."""
+    return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+
+def _with_scratch(run: Callable, *args, **kwargs):
+    """``run(*args, **kwargs)`` with :func:`_scratch` as Triton's allocator, in a copy of the
+    context: the allocator a user set (triton.set_allocator, a context variable) stays."""
+
+    def call():
+        triton.set_allocator(_scratch)
+        return run(*args, **kwargs)
+
+    return contextvars.copy_context().run(call)
 
 
 def _hook(hook):
@@ -231,17 +245,19 @@ def _replay(plan: _Plan, inputs: list[Tensor]):
         values = step.values.copy()
         for i, src in step.slots:
             values[i] = sources[src]
-        for i, src, shape, strides, block, padding in step.descriptors:
-            values[i] = TensorDescriptor(sources[src], list(shape), list(strides), list(block),
-                                         padding)  # fmt: skip
         ck = step.compiled
         if direct and step.direct is not None:  # no hook: no launch metadata either
-            launch, cooperative, pdl = step.direct
-            launch(*step.grid, stream, ck.function, cooperative, pdl, None, None,
+            launch, cooperative, pdl, per_program = step.direct
+            gx, gy, gz = step.grid
+            scratch = None
+            if per_program:  # the launcher object would take it from Triton's allocator
+                scratch = torch.empty(gx * gy * gz * per_program, dtype=torch.uint8, device=device)
+            launch(gx, gy, gz, stream, ck.function, cooperative, pdl, scratch, None,
                    ck.packed_metadata, None, None, None, *values)  # fmt: skip
             continue
         meta = ck.launch_metadata(step.grid, stream, *values)
-        ck.run(*step.grid, stream, ck.function, ck.packed_metadata, meta, enter, exit_, *values)
+        _with_scratch(ck.run, *step.grid, stream, ck.function, ck.packed_metadata, meta, enter,
+                      exit_, *values)  # fmt: skip
     results = tuple(None if r is None else sources[r] for r in plan.results)
     return results if len(results) > 1 else results[0]
 
@@ -269,7 +285,7 @@ def zeros(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
     """``kernel[grid](**kwargs)``, recorded into the plan being made."""
-    compiled = kernel[grid](**kwargs)
+    compiled = _with_scratch(kernel[grid], **kwargs)
     if (recording := _recording()) is not None:
         recording.launched(kernel, grid, kwargs, compiled)
 

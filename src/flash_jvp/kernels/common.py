@@ -85,11 +85,21 @@ def load_split(
 
 
 @triton.jit
+def tile_desc(base, n_rows, stride_r, N_COLS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """A tensor descriptor of the [n_rows, N_COLS] matrix at ``base`` (row stride stride_r,
+    unit column stride; base and stride 16-byte aligned, which the launcher checks), moved
+    as [ROWS, COLS] tiles by Hopper's copy engine (TMA): asynchronously, with no address
+    registers, zero-filled past the matrix on loads and clipped to it on stores. Made on
+    the device, per program, in global scratch the launcher provides: one matrix per
+    (batch, head) or packed sequence, any strides, and Triton's warp specialisation takes
+    only such descriptors (host-made ones hung or gave NaN under it; benchmarks/NOTES.md)."""
+    return tl.make_tensor_descriptor(base, [n_rows, N_COLS], [stride_r, 1], [ROWS, COLS])
+
+
+@triton.jit
 def load_keys(
     desc,
     base,
-    off_b,
-    off_h,
     start_n,
     offs_n,
     stride_r,
@@ -101,17 +111,14 @@ def load_keys(
     CHECK_R: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """load_split of key rows offs_n = start_n + arange; with TMA through ``desc``, a tensor
-    descriptor of the (B, H, L, E) tensor whose block is one [len(offs_n), HEAD] tile (the
-    launcher gives them for single tiles only): Hopper's copy engine moves the tile to shared
-    memory, asynchronously and with no address registers. Either way rows from n_rows on
-    (with CHECK_R) and columns past N_COLS read as 0: the copy engine zero-fills past the
-    tensor's shape, and rows between n_rows (the end of a mask's key range) and the shape
-    are zeroed here, so values there (NaN in padding) never meet a zero weight. Past the
-    shape alone no check is needed with TMA (the caller then leaves CHECK_R off)."""
+    """load_split of key rows offs_n = start_n + arange; with TMA through ``desc`` (see
+    tile_desc; single tiles only) instead. Either way rows from n_rows on (with CHECK_R)
+    and columns past N_COLS read as 0: the copy engine zero-fills past the key rows, and
+    rows between n_rows (the end of a mask's key range) and there are zeroed here, so
+    values there (NaN in padding) never meet a zero weight. Past the key rows alone no
+    check is needed with TMA (the caller then leaves CHECK_R off)."""
     if TMA:
-        coords = [off_b.to(tl.int32), off_h.to(tl.int32), start_n, 0]  # TMA takes 32-bit
-        a = desc.load(coords).reshape(offs_n.shape[0], HEAD)
+        a = desc.load([start_n, 0])
         if CHECK_R:
             a = tl.where(offs_n[:, None] < n_rows, a, 0.0)
         b = a
