@@ -360,8 +360,9 @@ def attn_fwd_kernel(
     TMA: q, k, v and their tangents are read, o and o_t written, through tensor descriptors
     made here (common.tile_desc) instead of pointers: single head-dim tiles, every tensor
     and stride 16-byte aligned with unit column stride (the launcher checks).
-    WS: the key loop without masks (stage 0) is warp-specialised (with TMA, no attn_mask
-    loads in the loop); the launcher provides the descriptors' global scratch.
+    WS: one warp-specialised key loop over every key block, each masked (with TMA, no
+    attn_mask, dense); lse and mu stored through descriptors too; the launcher provides
+    the descriptors' global scratch.
     """
     stride_qm, stride_qtm = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_qtm, STRIDE_ALIGN)
     stride_kn, stride_ktn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_ktn, STRIDE_ALIGN)
