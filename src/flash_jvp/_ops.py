@@ -363,7 +363,7 @@ def attn_fwd(
         _launch(
             attn_fwd_kernel,
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
-            configs.fwd(width, q.dtype, tangent, short, ws, flags["IS_CAUSAL"]),
+            configs.fwd(width, q.dtype, tangent, short, ws),
             key + (split,),
             lambda cfg: {"TMA": tma and cfg.tma, "WS": ws and cfg.tma and cfg.ws},
             MASK_SPLIT=split,

@@ -90,19 +90,8 @@ _BEST = {
 SHORT_LK = 512
 _SHORT = {"fwd+jvp": {64: Config(64, 64, 4, 3), 128: Config(128, 64, 8, 2)}}
 # Where the forward can warp-specialise its key loop (tensor descriptors, no attn_mask, dense,
-# more than SHORT_LK keys; see _ops.attn_fwd): 4 warps, one producer + one consumer group;
-# by is_causal (the one loop masks every block, which the 128-key blocks pay for when causal).
-# Measured on an H100, results/2026-12-05-h100-ws-variants-f3a36c7.txt.
-_WARP_SPECIALISED = {
-    False: {
-        "fwd": {128: Config(128, 128, 4, 2, tma=True, ws=True)},
-        "fwd+jvp": {
-            64: Config(128, 128, 4, 2, tma=True, ws=True),
-            128: Config(128, 64, 4, 2, tma=True, ws=True),
-        },
-    },
-    True: {"fwd+jvp": {128: Config(128, 64, 4, 2, tma=True, ws=True)}},
-}
+# more than SHORT_LK keys; see _ops.attn_fwd): 4 warps, one producer + one consumer group.
+_WARP_SPECIALISED = {"fwd+jvp": {128: Config(128, 64, 4, 2, tma=True, ws=True)}}
 
 
 def bucket(width: int, dtype: torch.dtype) -> int | str:
@@ -111,26 +100,22 @@ def bucket(width: int, dtype: torch.dtype) -> int | str:
 
 
 def _candidates(
-    kernel: str, width: int, dtype: torch.dtype, short: bool = False, ws: bool | None = None
+    kernel: str, width: int, dtype: torch.dtype, short: bool = False, ws: bool = False
 ) -> list[Config]:
-    """``ws``: None where the launch cannot warp-specialise, else whether it is causal."""
     if INTERPRET:
         return _INTERPRETER
     key = bucket(width, dtype)
     best = _SHORT.get(kernel, {}).get(key) if short else None
-    if ws is not None and not short:
-        best = _WARP_SPECIALISED[ws].get(kernel, {}).get(key)
+    if ws and not short:
+        best = _WARP_SPECIALISED.get(kernel, {}).get(key)
     return [best or _BEST[kernel][key]] + _FALLBACKS
 
 
-def fwd(
-    width: int, dtype: torch.dtype, tangent: bool, short: bool, ws: bool, causal: bool
-) -> list[Config]:
+def fwd(width: int, dtype: torch.dtype, tangent: bool, short: bool, ws: bool) -> list[Config]:
     """Forward candidates for tile rows of ``width`` columns; ``tangent``: the fused JVP
     variant (more accumulators); ``short``: at most SHORT_LK keys; ``ws``: the launch can
-    warp-specialise (see _WARP_SPECIALISED), which is measured per ``causal``."""
-    return _candidates("fwd+jvp" if tangent else "fwd", width, dtype, short,
-                       causal if ws else None)  # fmt: skip
+    warp-specialise (see _WARP_SPECIALISED)."""
+    return _candidates("fwd+jvp" if tangent else "fwd", width, dtype, short, ws)
 
 
 def bwd_dkdv(width: int, dtype: torch.dtype, tangent: bool = False) -> list[Config]:

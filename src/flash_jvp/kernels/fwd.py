@@ -167,7 +167,7 @@ def _attn_fwd_inner(
             # from in-loop vectors and a bare arange only: a computed register tensor from
             # before the loop (offs_m) read wrong inside the warp-specialised loop (causal o,
             # o_t off by 0.2-0.6 on the H100), and rebuilding it inside is hoisted back out.
-            first = _row_block(IS_CAUSAL) * offs_m.shape[0] + causal_offset
+            first = tl.program_id(0) * offs_m.shape[0] + causal_offset
             shift = tl.where(offs_n < Lk, offs_n - first, offs_m.shape[0])
             keep = tl.arange(0, offs_m.shape[0])[:, None] >= shift[None, :]
             qk = tl.where(keep, qk, float("-inf"))
@@ -226,16 +226,6 @@ def _attn_fwd_inner(
                                         HAS_V_T, DOT_PRECISION)  # fmt: skip
         m_i = m_new
     return acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i
-
-
-@triton.jit
-def _row_block(LONGEST_FIRST: tl.constexpr):
-    """This program's query block. LONGEST_FIRST (causal: block m sees m + 1 key blocks)
-    takes them in reverse, so the programs the GPU starts last are the shortest and the
-    grid's last wave ends sooner (blocks start in program_id order, axis 0 fastest)."""
-    if LONGEST_FIRST:
-        return tl.num_programs(0) - 1 - tl.program_id(0)
-    return tl.program_id(0)
 
 
 @triton.jit
@@ -381,7 +371,7 @@ def attn_fwd_kernel(
     TANGENT: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_V_T or HAS_MASK_T
     # launch 1 of a boolean mask bounds the keys instead of reading the mask
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND
-    start_m = _row_block(IS_CAUSAL) * BLOCK_M
+    start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
