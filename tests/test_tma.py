@@ -115,6 +115,8 @@ def test_descriptor_path(tma_seen, case):
     ws_allowed = case not in ("gqa_causal_bool", "additive", "varlen") and Lq % 4 == 0
     if not CUDA:
         assert all(ws == ws_allowed for _, _, ws in tma_seen), tma_seen
+    elif not configs._WARP_SPECIALISED:  # none shipped (configs.py says why)
+        assert not any(ws for _, _, ws in tma_seen), tma_seen
     elif case in ("plain", "bhle", "bottom_right"):
         assert any(ws for _, _, ws in tma_seen), tma_seen
     else:
@@ -146,7 +148,8 @@ def test_lse_and_mu_through_descriptors(tma_seen, case):
         assert_close_rel(name, x, ref, tol)
     assert_close_rel("lse", lse, lse_r, 1e-3)
     ws = [ws for tangent, _, ws in tma_seen if tangent]
-    assert ws and all(ws) == (case != "odd_rows"), tma_seen
+    shipped = not CUDA or bool(configs._WARP_SPECIALISED)  # on the GPU: a shipped config
+    assert ws and all(ws) == (case != "odd_rows" and shipped), tma_seen
 
 
 @pytest.mark.parametrize("case", ["unaligned_rows", "unaligned_data", "fp32", "split_tiles"])
