@@ -168,10 +168,10 @@ def test_forward_is_deterministic(E):
 )
 def test_shipped_forward_repeats_bit_for_bit(E, Hkv, is_causal):
     """fwd+JVP (300 calls) and the forward (100) of the shipped configs at a size where the
-    descriptor path and any shipped warp-specialised schedule run (bf16, 4096 keys, Lq % 4
-    == 0): every call finite and equal to the first. Two warp-specialised variants gave a
-    whole block of NaN in 2 and 4 of 300 calls on an H100, where the tests' three runs at
-    L <= 1000 passed (benchmarks/NOTES.md, 2026-12-05)."""
+    descriptor path runs (bf16, 4096 keys): every call finite and equal to the first. Two
+    warp-specialised variants (removed) gave a whole block of NaN in 2 and 4 of 300 calls on
+    an H100, where the tests' three runs at L <= 1000 passed (benchmarks/NOTES.md,
+    2026-12-05)."""
     q, k, v, tangents, _ = qkv(1, 32, Hkv, 4096, 4096, E, dtype=torch.bfloat16)
 
     def fwd_jvp():

@@ -31,8 +31,6 @@ class Config:
     # Move tiles through tensor descriptors (TMA) where the launcher can describe the tensors
     # (Hopper, one head-dim tile; see _ops._tma); forward kernel only.
     tma: bool = False
-    # With tma: Triton's warp specialisation of the key loop (a producer warp for the loads).
-    ws: bool = False
 
     def kwargs(self) -> dict[str, int]:
         extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
@@ -89,13 +87,6 @@ _BEST = {
 # smaller query blocks (more programs) win; measured with benchmarks/tune.py.
 SHORT_LK = 512
 _SHORT = {"fwd+jvp": {64: Config(64, 64, 4, 3), 128: Config(128, 64, 8, 2)}}
-# Where the forward can warp-specialise its key loop (tensor descriptors, no attn_mask, dense,
-# more than SHORT_LK keys; see _ops.attn_fwd), by kernel and bucket, e.g. {"fwd+jvp": {128:
-# Config(128, 64, 4, 2, tma=True, ws=True)}} (4 warps: one producer, one consumer group).
-# None shipped: variants whose synchronisation compiles to that config's exactly gave whole
-# blocks of NaN in 2-4 of 300 calls on an H100 (benchmarks/NOTES.md, 2026-12-05); the
-# schedule waits for a fix and a repeated-launch check on the GPU.
-_WARP_SPECIALISED: dict[str, dict[int, Config]] = {}
 
 
 def bucket(width: int, dtype: torch.dtype) -> int | str:
@@ -103,23 +94,18 @@ def bucket(width: int, dtype: torch.dtype) -> int | str:
     return "fp32" if dtype == torch.float32 else next(b for b in (64, 96, 128, 256) if width <= b)
 
 
-def _candidates(
-    kernel: str, width: int, dtype: torch.dtype, short: bool = False, ws: bool = False
-) -> list[Config]:
+def _candidates(kernel: str, width: int, dtype: torch.dtype, short: bool = False) -> list[Config]:
     if INTERPRET:
         return _INTERPRETER
     key = bucket(width, dtype)
     best = _SHORT.get(kernel, {}).get(key) if short else None
-    if ws and not short:
-        best = _WARP_SPECIALISED.get(kernel, {}).get(key)
     return [best or _BEST[kernel][key]] + _FALLBACKS
 
 
-def fwd(width: int, dtype: torch.dtype, tangent: bool, short: bool, ws: bool) -> list[Config]:
+def fwd(width: int, dtype: torch.dtype, tangent: bool, short: bool) -> list[Config]:
     """Forward candidates for tile rows of ``width`` columns; ``tangent``: the fused JVP
-    variant (more accumulators); ``short``: at most SHORT_LK keys; ``ws``: the launch can
-    warp-specialise (see _WARP_SPECIALISED)."""
-    return _candidates("fwd+jvp" if tangent else "fwd", width, dtype, short, ws)
+    variant (more accumulators); ``short``: at most SHORT_LK keys."""
+    return _candidates("fwd+jvp" if tangent else "fwd", width, dtype, short)
 
 
 def bwd_dkdv(width: int, dtype: torch.dtype, tangent: bool = False) -> list[Config]:
