@@ -105,7 +105,7 @@ def test_descriptor_path(tma_seen, case):
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "lower_right", "gqa", "odd_rows"])
-def test_lse_and_mu_through_descriptors(tma_seen, case):
+def test_lse_and_mu_on_the_descriptor_path(tma_seen, case):
     """o, o_t (stored through descriptors), lse and its tangent mu against float64 under
     torch.func.jvp, the fwd+JVP launch taking descriptors; odd_rows: an odd number of
     query rows, the last tile stored in part."""
