@@ -108,6 +108,8 @@ def _compile_report(kernel, sig, consts, attrs, options) -> str:
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     smem = compiled.metadata.shared
     flags = (" SMEM>LIMIT" if smem > SMEM_LIMIT else "") + (" SPILLS" if stack else "")
+    if "ttg.warp_specialize" in compiled.asm["ttgir"]:  # the loop was warp-specialised
+        flags += " WARP-SPECIALISED"
     return (f"regs {regs:3d} stack {stack:5d} smem {smem:6d} R2UR {sass.count('R2UR'):3d} "
             f"WARPSYNC {sass.count('WARPSYNC')}{flags}")  # fmt: skip
 

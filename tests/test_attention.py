@@ -169,9 +169,9 @@ def test_forward_is_deterministic(E):
 def test_shipped_forward_repeats_bit_for_bit(E, Hkv, is_causal):
     """fwd+JVP (300 calls) and the forward (100) of the shipped configs at a size where the
     descriptor path runs (bf16, 4096 keys): every call finite and equal to the first. Two
-    warp-specialised variants (removed) gave a whole block of NaN in 2 and 4 of 300 calls on
-    an H100, where the tests' three runs at L <= 1000 passed (benchmarks/NOTES.md,
-    2026-12-05)."""
+    warp-specialised configs gave a whole block of NaN in 2 and 4 of 300 calls on an H100
+    with Triton 3.6's unused barriers on the key ring (kernels/ws_barriers.py), where the
+    tests' three runs at L <= 1000 passed (benchmarks/NOTES.md, 2026-12-05)."""
     q, k, v, tangents, _ = qkv(1, 32, Hkv, 4096, 4096, E, dtype=torch.bfloat16)
 
     def fwd_jvp():

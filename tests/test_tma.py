@@ -27,27 +27,34 @@ pytestmark = [
     needs_kernels,
     pytest.mark.skipif(CUDA and not HOPPER, reason="tensor descriptors serve Hopper only"),
 ]
-L = 600 if CUDA else 76  # more keys than configs.SHORT_LK on the GPU
+L = 600 if CUDA else 76  # more keys than configs.SHORT_LK on the GPU; a multiple of 4 (WS)
 DTYPE = torch.bfloat16 if CUDA else torch.float16
 
 
 @pytest.fixture
-def tma_seen(monkeypatch) -> list[tuple[bool, bool]]:
-    """(tangent, TMA) of every forward launch, every forward config asking for descriptors."""
+def tma_seen(monkeypatch) -> list[tuple[bool, bool, bool]]:
+    """(tangent, TMA, WS) of every forward launch, every forward config asking for descriptors
+    (and on the CPU for warp specialisation, where the launch allows it)."""
     if not CUDA:
         monkeypatch.setattr(_ops, "_tma_capable", lambda device: True)
         monkeypatch.setattr(configs, "SHORT_LK", 0)
     candidates = configs._candidates
-    monkeypatch.setattr(configs, "_candidates", lambda *a, **kw: [
-        dataclasses.replace(c, tma=True) for c in candidates(*a, **kw)])  # fmt: skip
+
+    # the interpreter has no warp specialisation but runs the one-loop schedule it takes
+    def forced(*args, **kwargs):
+        return [dataclasses.replace(c, tma=True, ws=c.ws or not CUDA)
+                for c in candidates(*args, **kwargs)]  # fmt: skip
+
+    monkeypatch.setattr(configs, "_candidates", forced)
     monkeypatch.setattr(_ops, "_CHOSEN", {})  # no config chosen outside this test
-    seen: list[tuple[bool, bool]] = []
+    seen: list[tuple[bool, bool, bool]] = []
     launch = _ops._launch
 
     def spy(kernel, grid, candidates, key, cfg_args=lambda cfg: {}, **args):
         if kernel is attn_fwd_kernel:
             tangent = any(args[f"HAS_{x}_T"] for x in ("Q", "K", "V", "MASK"))
-            seen.append((tangent, cfg_args(candidates[0])["TMA"]))
+            switches = cfg_args(candidates[0])
+            seen.append((tangent, switches["TMA"], switches["WS"]))
         return launch(kernel, grid, candidates, key, cfg_args, **args)
 
     monkeypatch.setattr(_ops, "_launch", spy)
@@ -100,15 +107,26 @@ def test_descriptor_path(tma_seen, case):
         check_varlen(q, k, v, tuple(tangents), do, lens, lens)
     else:
         assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, **kwargs)
-    assert {tangent for tangent, _ in tma_seen} == {False, True}, tma_seen
-    assert all(tma for _, tma in tma_seen), tma_seen
+    assert {tangent for tangent, _, _ in tma_seen} == {False, True}, tma_seen
+    assert all(tma for _, tma, _ in tma_seen), tma_seen
+    # the warp-specialised schedule: where no attn_mask is read and batches are dense (on the
+    # GPU: where a shipped config has it, E = 128 with a tangent)
+    # (causal_lower_right: no mask) and whose lse rows start 16-byte aligned (Lq % 4 == 0)
+    ws_allowed = case not in ("gqa_causal_bool", "additive", "varlen") and Lq % 4 == 0
+    if not CUDA:
+        assert all(ws == ws_allowed for _, _, ws in tma_seen), tma_seen
+    elif case in ("plain", "bhle", "bottom_right"):
+        assert any(ws for _, _, ws in tma_seen), tma_seen
+    else:
+        assert ws_allowed or not any(ws for _, _, ws in tma_seen), tma_seen
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "lower_right", "gqa", "odd_rows"])
-def test_lse_and_mu_on_the_descriptor_path(tma_seen, case):
-    """o, o_t (stored through descriptors), lse and its tangent mu against float64 under
-    torch.func.jvp, the fwd+JVP launch taking descriptors; odd_rows: an odd number of
-    query rows, the last tile stored in part."""
+def test_lse_and_mu_through_descriptors(tma_seen, case):
+    """lse and its tangent mu (stored after the key loop: through 1-D descriptors under warp
+    specialisation, where pointer stores wrote nothing on sm_90) and o, o_t against float64,
+    under torch.func.jvp; odd_rows: Lq % 4 != 0, lse rows unaligned, so no warp
+    specialisation (the launch says which)."""
     Lq = {"lower_right": 4 * (L // 8), "odd_rows": L - 1}.get(case, L)
     q, k, v, tangents, _ = qkv(2, 2, 1 if case == "gqa" else 2, Lq, L, 128, dtype=DTYPE)
     kw = {"causal": dict(is_causal=True), "gqa": dict(enable_gqa=True)}.get(case, {})
@@ -127,8 +145,8 @@ def test_lse_and_mu_on_the_descriptor_path(tma_seen, case):
     for name, x, ref in (("o", o, o_r), ("o_t", o_t, o_t_r), ("mu", mu, mu_r)):
         assert_close_rel(name, x, ref, tol)
     assert_close_rel("lse", lse, lse_r, 1e-3)
-    tma = [tma for tangent, tma in tma_seen if tangent]
-    assert tma and all(tma), tma_seen
+    ws = [ws for tangent, _, ws in tma_seen if tangent]
+    assert ws and all(ws) == (case != "odd_rows"), tma_seen
 
 
 @pytest.mark.parametrize("case", ["unaligned_rows", "unaligned_data", "fp32", "split_tiles"])
@@ -143,7 +161,7 @@ def test_pointer_path_where_no_descriptor(tma_seen, case):
     if case == "unaligned_data":  # v starts 2 elements into its storage
         v = torch.empty(v.numel() + 2, device=DEVICE, dtype=dtype)[2:].view_as(v).copy_(v)
     assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do)
-    assert tma_seen and not any(tma for _, tma in tma_seen), tma_seen
+    assert tma_seen and not any(tma or ws for _, tma, ws in tma_seen), tma_seen
 
 
 def test_nan_past_key_padding(tma_seen):
@@ -170,4 +188,4 @@ def test_nan_past_key_padding(tma_seen):
     for name, a, b in zip(("o", "o_t"), *outs):
         assert torch.equal(a, b), f"{name} differs when the keys past the padding are NaN"
     assert_matches_reference(flash_jvp.attention, *clean[:3], tuple(clean[3:]), do, attn_mask=mask)
-    assert all(tma for _, tma in tma_seen), tma_seen
+    assert all(tma and not ws for _, tma, ws in tma_seen), tma_seen

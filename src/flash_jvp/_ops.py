@@ -340,7 +340,10 @@ def attn_fwd(
     )
     width, short = _tile_width(tiles), lay.Lk <= configs.SHORT_LK
     tma = _tma(tiles, q4, k4, v4, o4, q_t4, k_t4, v_t4, o_t4)
-    key = ("fwd", tuple(tiles.values()), short, tma, q.dtype, tuple(flags.values()),
+    # the warp-specialised loop: one per kernel, no attn_mask loads, no varlen; lse and mu
+    # stored through 1-D descriptors, whose (b, h) rows start 16-byte aligned (fwd.py)
+    ws = tma and mask is None and mask_t is None and not spec.varlen and lay.Lq % 4 == 0
+    key = ("fwd", tuple(tiles.values()), short, tma, ws, q.dtype, tuple(flags.values()),
            q.device.index)  # fmt: skip
     args = dict(
         Q=q4, K=k4, V=v4, O=o4, LSE=lse, MU=_or(mu, lse),
@@ -360,9 +363,9 @@ def attn_fwd(
         _launch(
             attn_fwd_kernel,
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
-            configs.fwd(width, q.dtype, tangent, short),
+            configs.fwd(width, q.dtype, tangent, short, ws, flags["IS_CAUSAL"]),
             key + (split,),
-            lambda cfg: {"TMA": tma and cfg.tma},
+            lambda cfg: {"TMA": tma and cfg.tma, "WS": ws and cfg.tma and cfg.ws},
             MASK_SPLIT=split,
             **args,
         )

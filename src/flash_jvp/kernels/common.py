@@ -91,7 +91,8 @@ def tile_desc(base, n_rows, stride_r, N_COLS: tl.constexpr, ROWS: tl.constexpr, 
     as [ROWS, COLS] tiles by Hopper's copy engine (TMA): asynchronously, with no address
     registers, zero-filled past the matrix on loads and clipped to it on stores. Made on
     the device, per program, in global scratch the launcher provides: one matrix per
-    (batch, head) or packed sequence, any strides."""
+    (batch, head) or packed sequence, any strides, and Triton's warp specialisation takes
+    only such descriptors (host-made ones hung or gave NaN under it; benchmarks/NOTES.md)."""
     return tl.make_tensor_descriptor(base, [n_rows, N_COLS], [stride_r, 1], [ROWS, COLS])
 
 

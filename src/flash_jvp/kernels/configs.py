@@ -31,6 +31,8 @@ class Config:
     # Move tiles through tensor descriptors (TMA) where the launcher can describe the tensors
     # (Hopper, one head-dim tile; see _ops._tma); forward kernel only.
     tma: bool = False
+    # With tma: Triton's warp specialisation of the key loop (a producer warp for the loads).
+    ws: bool = False
 
     def kwargs(self) -> dict[str, int]:
         extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
@@ -87,6 +89,20 @@ _BEST = {
 # smaller query blocks (more programs) win; measured with benchmarks/tune.py.
 SHORT_LK = 512
 _SHORT = {"fwd+jvp": {64: Config(64, 64, 4, 3), 128: Config(128, 64, 8, 2)}}
+# Where the forward can warp-specialise its key loop (tensor descriptors, no attn_mask, dense,
+# more than SHORT_LK keys; see _ops.attn_fwd): 4 warps, one producer + one consumer group;
+# by is_causal (the one loop masks every block, which the 128-key blocks pay for when causal).
+# Measured on an H100, results/2026-12-05-h100-ws-variants-f3a36c7.txt.
+_WARP_SPECIALISED = {
+    False: {
+        "fwd": {128: Config(128, 128, 4, 2, tma=True, ws=True)},
+        "fwd+jvp": {
+            64: Config(128, 128, 4, 2, tma=True, ws=True),
+            128: Config(128, 64, 4, 2, tma=True, ws=True),
+        },
+    },
+    True: {"fwd+jvp": {128: Config(128, 64, 4, 2, tma=True, ws=True)}},
+}
 
 
 def bucket(width: int, dtype: torch.dtype) -> int | str:
@@ -94,18 +110,27 @@ def bucket(width: int, dtype: torch.dtype) -> int | str:
     return "fp32" if dtype == torch.float32 else next(b for b in (64, 96, 128, 256) if width <= b)
 
 
-def _candidates(kernel: str, width: int, dtype: torch.dtype, short: bool = False) -> list[Config]:
+def _candidates(
+    kernel: str, width: int, dtype: torch.dtype, short: bool = False, ws: bool | None = None
+) -> list[Config]:
+    """``ws``: None where the launch cannot warp-specialise, else whether it is causal."""
     if INTERPRET:
         return _INTERPRETER
     key = bucket(width, dtype)
     best = _SHORT.get(kernel, {}).get(key) if short else None
+    if ws is not None and not short:
+        best = _WARP_SPECIALISED[ws].get(kernel, {}).get(key)
     return [best or _BEST[kernel][key]] + _FALLBACKS
 
 
-def fwd(width: int, dtype: torch.dtype, tangent: bool, short: bool) -> list[Config]:
+def fwd(
+    width: int, dtype: torch.dtype, tangent: bool, short: bool, ws: bool, causal: bool
+) -> list[Config]:
     """Forward candidates for tile rows of ``width`` columns; ``tangent``: the fused JVP
-    variant (more accumulators); ``short``: at most SHORT_LK keys."""
-    return _candidates("fwd+jvp" if tangent else "fwd", width, dtype, short)
+    variant (more accumulators); ``short``: at most SHORT_LK keys; ``ws``: the launch can
+    warp-specialise (see _WARP_SPECIALISED), which is measured per ``causal``."""
+    return _candidates("fwd+jvp" if tangent else "fwd", width, dtype, short,
+                       causal if ws else None)  # fmt: skip
 
 
 def bwd_dkdv(width: int, dtype: torch.dtype, tangent: bool = False) -> list[Config]:

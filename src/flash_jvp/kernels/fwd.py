@@ -141,19 +141,35 @@ def _attn_fwd_inner(
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
     KEY_BOUND: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     TANGENT_S: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_MASK_T  # the scores have a tangent
     # Rows past Lk to zero: the descriptor loads zero-fill past the tensor's end already, so
     # they need it only where a mask's key range (KEY_BOUND) ends the loop before that (the
     # extra select costs registers: spills in the fwd+JVP kernel at E=128).
-    CHECK_R: tl.constexpr = MASK and (not TMA or KEY_BOUND)
-    for start_n in range(lo, hi, BLOCK_N):
+    CHECK_R: tl.constexpr = MASK == 1 and (not TMA or KEY_BOUND)
+    # WARP_SPECIALIZE: Triton splits the loop into a producer warp issuing the descriptor
+    # loads and consumer warps doing the products and softmax (sm_90; descriptors only)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, k2 = load_keys(k_desc, k_base, start_n, offs_n, stride_kn, stride_kd,
                           Lk, D, HEAD_DIM, HEAD_DIM_TAIL, CHECK_R, TMA)  # fmt: skip
-        qk = dot_split(q, q2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
-        if MASK:
+        qk = dot_split(q, q2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION)
+        if MASK == 2 and not IS_CAUSAL:  # keys past Lk as a bias in the scaling's FMA
+            qk = qk * qk_scale + tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+        else:
+            qk = qk * qk_scale
+        if MASK == 1:
             keep = score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL)
+            qk = tl.where(keep, qk, float("-inf"))
+        elif MASK == 2 and IS_CAUSAL:
+            # Row i of the block keeps key j < Lk if i >= j - start_m - causal_offset. Built
+            # from in-loop vectors and a bare arange only: a computed register tensor from
+            # before the loop (offs_m) read wrong inside the warp-specialised loop (causal o,
+            # o_t off by 0.2-0.6 on the H100), and rebuilding it inside is hoisted back out.
+            first = _row_block(IS_CAUSAL) * offs_m.shape[0] + causal_offset
+            shift = tl.where(offs_n < Lk, offs_n - first, offs_m.shape[0])
+            keep = tl.arange(0, offs_m.shape[0])[:, None] >= shift[None, :]
             qk = tl.where(keep, qk, float("-inf"))
         if MASK_KIND != 0:
             vals = load_mask(mask_base, offs_m, offs_n, stride_mm, stride_mn, Lq, Lk,
@@ -213,15 +229,36 @@ def _attn_fwd_inner(
 
 
 @triton.jit
+def _row_block(LONGEST_FIRST: tl.constexpr):
+    """This program's query block. LONGEST_FIRST (causal: block m sees m + 1 key blocks)
+    takes them in reverse, so the programs the GPU starts last are the shortest and the
+    grid's last wave ends sooner (blocks start in program_id order, axis 0 fastest)."""
+    if LONGEST_FIRST:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    return tl.program_id(0)
+
+
+@triton.jit
 def _store_o(base, a, a2, start_m, offs_m, stride_m, stride_d, Lq, DV: tl.constexpr,
              BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_TAIL: tl.constexpr,
              TMA: tl.constexpr):  # fmt: skip
     """Store an output block (two column tiles, see common.store_split); with TMA through a
-    descriptor (see common.tile_desc), as its loads."""
+    descriptor (pointer stores after a warp-specialised loop faulted on sm_90)."""
     if TMA:
         tile_desc(base, Lq, stride_m, DV, BLOCK_M, HEAD_DIM_V).store([start_m, 0], a)
     else:
         store_split(base, a, a2, offs_m, stride_m, stride_d, Lq, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL)
+
+
+@triton.jit
+def _store_rows(base, x, start_m, offs_m, Lq, BLOCK_M: tl.constexpr, DESC: tl.constexpr):
+    """Store a per-row vector (lse, mu) of rows offs_m = start_m + arange; with DESC through a
+    1-D descriptor (its base 16-byte aligned: the launcher checks): after a warp-specialised
+    loop, pointer stores wrote nothing (mu) or faulted on sm_90 (benchmarks/NOTES.md)."""
+    if DESC:
+        tl.make_tensor_descriptor(base, [Lq], [1], [BLOCK_M]).store([start_m], x)
+    else:
+        tl.store(base + offs_m, x, mask=offs_m < Lq)
 
 
 @triton.jit
@@ -314,6 +351,7 @@ def attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
     TMA: tl.constexpr,
+    WS: tl.constexpr,
 ):
     """o = softmax(scale * q k^T [+ mask]) v and lse for one [BLOCK_M] query block; with
     tangents also o_t and mu = rowsum(P o S_t), the tangent of lse.
@@ -331,8 +369,10 @@ def attn_fwd_kernel(
     padding reads as zero. STRIDE_ALIGN divides every row stride (see common.aligned).
     TMA: q, k, v and their tangents are read, o and o_t written, through tensor descriptors
     made here (common.tile_desc) instead of pointers: single head-dim tiles, every tensor
-    and stride 16-byte aligned with unit column stride (the launcher checks); the launcher
-    provides the descriptors' global scratch.
+    and stride 16-byte aligned with unit column stride (the launcher checks).
+    WS: one warp-specialised key loop over every key block, each masked (with TMA, no
+    attn_mask, dense); lse and mu stored through descriptors too; the launcher provides
+    the descriptors' global scratch.
     """
     stride_qm, stride_qtm = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_qtm, STRIDE_ALIGN)
     stride_kn, stride_ktn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_ktn, STRIDE_ALIGN)
@@ -341,13 +381,14 @@ def attn_fwd_kernel(
     TANGENT: tl.constexpr = HAS_Q_T or HAS_K_T or HAS_V_T or HAS_MASK_T
     # launch 1 of a boolean mask bounds the keys instead of reading the mask
     LOOP_MASK_KIND: tl.constexpr = 0 if MASK_SPLIT == 1 else MASK_KIND
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _row_block(IS_CAUSAL) * BLOCK_M
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
     off_hk = off_h // GROUP
     q_start, Lq, k_start, Lk = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, off_b, Lq, Lk, VARLEN)
-    # packed batches: this sequence may be shorter than the longest (dense: the grid fits Lq)
+    # packed batches: this sequence may be shorter than the longest (dense: the grid fits Lq;
+    # no return there, which warp specialisation cannot take)
     if VARLEN and start_m >= Lq:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -404,9 +445,15 @@ def attn_fwd_kernel(
         return
     # Stage 0: key blocks no row masks (unmasked loads, no where); stage 1: the rest.
     full_end, end = key_range(start_m, k_bound, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    for stage in tl.static_range(2):
+    # Warp specialisation (Triton 3.6) compiles one key loop per kernel, with no pointer
+    # loads in it (no attn_mask) and no early return before it (varlen): then stage 1's
+    # blocks join stage 0's loop, masked from full_end on (MASK 2).
+    tl.static_assert(not WS or (TMA and MASK_KIND == 0 and not HAS_MASK_T and not VARLEN))
+    for stage in tl.static_range(1 if WS else 2):
         s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
         s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
+        if WS:
+            s_hi = tl.minimum(end, hi)
         acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i = _attn_fwd_inner(
             acc, acc2, acc_t, acc_t2, m_i, l_i, g_i, mu_i, q, q2, q_t, q_t2, offs_m,
             k_desc, v_desc, k_t_desc, v_t_desc,
@@ -415,9 +462,11 @@ def attn_fwd_kernel(
             stride_ktn, stride_ktd, stride_vtn, stride_vtd,
             stride_mm, stride_mn, stride_mtm, stride_mtn,
             s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale, scale, mask_min,
-            D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_N, stage == 1,
+            D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_N,
+            2 if WS else stage,  # stage 1: every block masked; the one loop: MASK 2
             IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS,
             HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, DOT_PRECISION, TMA, MASK_SPLIT == 1,
+            WS,
         )  # fmt: skip
 
     inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # fully masked rows: o = 0
@@ -440,9 +489,9 @@ def attn_fwd_kernel(
     )
     lse = (m_i + tl.math.log2(l_i)) * LN2
     row_offset = off_b * stride_lb + off_h * stride_lh + q_start
-    tl.store(LSE + row_offset + offs_m, lse, mask=offs_m < Lq)
+    _store_rows(LSE + row_offset, lse, start_m, offs_m, Lq, BLOCK_M, WS)
     if TANGENT:  # mu: 0 without a tangent of the scores
-        tl.store(MU + row_offset + offs_m, mu_i, mask=offs_m < Lq)
+        _store_rows(MU + row_offset, mu_i, start_m, offs_m, Lq, BLOCK_M, WS)
         o_t_base = O_T + off_b * stride_otb + off_h * stride_oth + q_start * stride_otm
         _store_o(o_t_base, (acc_t * inv_l[:, None]).to(o_ty), (acc_t2 * inv_l[:, None]).to(o_ty),
                  start_m, offs_m, stride_otm, stride_otd, Lq, DV, BLOCK_M, HEAD_DIM_V,

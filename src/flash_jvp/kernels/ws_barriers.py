@@ -1,0 +1,145 @@
+"""Unused mbarriers of Triton < 3.8's Hopper warp specialisation, removed before lowering.
+
+Triton 3.6 and 3.7's Hopper warp specialisation (``tl.range(..., warp_specialize=True)``
+fed by tensor descriptors) makes a pair of barriers per channel and, for a descriptor load,
+uses only the one its TMA completes: the other is allocated and initialised, never used.
+The shared-memory allocator sees it dead after its ``mbarrier.init`` and puts the key ring's
+first slot on top of it (in the forward kernels here: 20 ``mbarrier.init`` on bytes 0-15,
+then TMA data there), which the PTX ISA leaves undefined: a location holding an mbarrier
+must be invalidated (``mbarrier.inval``) before any other use. Triton 3.8 invalidates the
+barriers it makes and gives each its own place (PTX of the same kernel compared,
+benchmarks/NOTES.md). For older Tritons this removes the unused ones (their alloc, index
+and init, nothing else reads them) from the TTGIR before it is lowered, through the
+compiler's stage hook, only for the kernels of :func:`compile_hook`'s ``names``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+
+import triton
+from triton import knobs
+from triton._C.libtriton import ir
+
+# Triton versions whose warp specialisation leaves the unused barriers (3.8 does not)
+AFFECTED = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8)
+
+_ALLOC = re.compile(
+    r"^\s*(%[\w.$-]+) = ttg\.local_alloc\s*(\{[^}]*\})?\s*: \(\) -> !ttg\.memdesc<[0-9x]*xi64,"
+)
+_USE = re.compile(r"%[\w.$-]+")
+_RESULTS = re.compile(r"^\s*%[\w.$-]+(?::\d+)?(?:, %[\w.$-]+(?::\d+)?)* = ")
+
+
+def _prologue(lines: list[str]) -> int:
+    """Index of the line holding the ``ttg.warp_specialize`` op: the barriers are made before
+    it, at the function's top level (names inside its isolated regions may repeat)."""
+    return next(i for i, line in enumerate(lines) if "ttg.warp_specialize(" in line)
+
+
+def dead_barriers(text: str) -> list[str]:
+    """SSA names of the barrier allocations made before the ``ttg.warp_specialize`` op of
+    TTGIR ``text`` that nothing but their own ``ttg.memdesc_index`` views and the
+    ``ttng.init_barrier`` of those views reads (a name read anywhere else keeps it)."""
+    lines = text.splitlines()
+    uses: dict[str, list[str]] = {}
+    for line in lines:
+        for name in _USE.findall(_RESULTS.sub("", line, count=1)):
+            uses.setdefault(name, []).append(line)
+    dead = []
+    for line in lines[: _prologue(lines)]:
+        m = _ALLOC.match(line)
+        if not m:
+            continue
+        alloc = m.group(1)
+        views = []
+        ok = True
+        for use in uses.get(alloc, []):
+            view = re.match(
+                r"^\s*(%[\w.$-]+) = ttg\.memdesc_index " + re.escape(alloc) + r"\[", use
+            )
+            if not view:
+                ok = False
+                break
+            views.append(view.group(1))
+        for view in views:
+            for use in uses.get(view, []):
+                if not re.match(r"^\s*ttng\.init_barrier " + re.escape(view) + r",", use):
+                    ok = False
+        if ok and views:
+            dead.append(alloc)
+    return dead
+
+
+def remove_dead_barriers(text: str) -> str:
+    """``text`` without the allocations :func:`dead_barriers` finds, their views and inits."""
+    dead = set(dead_barriers(text))
+    if not dead:
+        return text
+    lines = text.splitlines()
+    end = _prologue(lines)
+    views = set()
+    keep = []
+    for line in lines[:end]:
+        m = _ALLOC.match(line)
+        if m and m.group(1) in dead:
+            continue
+        view = re.match(r"^\s*(%[\w.$-]+) = ttg\.memdesc_index (%[\w.$-]+)\[", line)
+        if view and view.group(2) in dead:
+            views.add(view.group(1))
+            continue
+        init = re.match(r"^\s*ttng\.init_barrier (%[\w.$-]+),", line)
+        if init and init.group(1) in views:
+            continue
+        keep.append(line)
+    return "\n".join(keep + lines[end:]) + "\n"
+
+
+def _rewrite(mod):
+    """The module, re-parsed without its unused barriers (unchanged if it has none)."""
+    text = mod.str()
+    if "ttg.warp_specialize" not in text:
+        return mod
+    fixed = remove_dead_barriers(text)
+    if fixed == text:
+        return mod
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ttgir")
+        with open(path, "w") as f:
+            f.write(fixed)
+        fixed_mod = ir.parse_mlir_module(path, mod.context)
+    fixed_mod.context = mod.context  # as Triton's own IR sources carry it (compiler.py)
+    return fixed_mod
+
+
+@contextlib.contextmanager
+def compile_hook(names: tuple[str, ...]):
+    """While active, kernels named in ``names`` compiled for CUDA lose their unused barriers
+    before lowering (where Triton is AFFECTED); any stage hook already set still runs."""
+    if not AFFECTED:
+        yield
+        return
+    previous = knobs.runtime.add_stages_inspection_hook
+
+    def hook(backend, stages, options, language, capability):
+        if previous is not None:
+            previous(backend, stages, options, language, capability)
+        if "llir" not in stages:
+            return
+        make_llir = stages["llir"]
+
+        def llir(src, metadata):
+            if src.get_entry_func_name() in names:
+                src = _rewrite(src)
+            return make_llir(src, metadata)
+
+        stages["llir"] = llir
+
+    knobs.runtime.add_stages_inspection_hook = hook
+    try:
+        yield
+    finally:
+        knobs.runtime.add_stages_inspection_hook = previous
