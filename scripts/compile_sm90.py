@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 
 from flash_jvp import _ops
 from flash_jvp._utils import Spec
+from flash_jvp.kernels import ws_barriers
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes per block on H100/H200
@@ -94,8 +95,10 @@ _REPORTS: dict[tuple, str] = {}
 
 def _compile_report(kernel, sig, consts, attrs, options) -> str:
     try:
-        compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=TARGET,
-                                  options=options)  # fmt: skip
+        # as _plans.launch compiles it: without Triton < 3.8's unused barriers
+        with ws_barriers.compile_hook((kernel.fn.__name__,)):
+            compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=TARGET,
+                                      options=options)  # fmt: skip
     except Exception as err:  # noqa: BLE001 - report and go on
         return f"ERROR {type(err).__name__}: {str(err).splitlines()[-1][:200]}"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -110,6 +113,8 @@ def _compile_report(kernel, sig, consts, attrs, options) -> str:
     flags = (" SMEM>LIMIT" if smem > SMEM_LIMIT else "") + (" SPILLS" if stack else "")
     if "ttg.warp_specialize" in compiled.asm["ttgir"]:  # the loop was warp-specialised
         flags += " WARP-SPECIALISED"
+    if ws_barriers.reinitialised(compiled.asm["ptx"]):  # undefined per PTX (kernels/ws_barriers.py)
+        flags += " MBARRIER-REINIT"
     return (f"regs {regs:3d} stack {stack:5d} smem {smem:6d} R2UR {sass.count('R2UR'):3d} "
             f"WARPSYNC {sass.count('WARPSYNC')}{flags}")  # fmt: skip
 

@@ -2,7 +2,13 @@
 removing them removes nothing else (CPU; the compiled kernels are checked on sm_90 PTX by
 benchmarks/NOTES.md's recipe, the effect on the GPU by benchmarks/ws_race.py)."""
 
-from flash_jvp.kernels import ws_barriers
+import pytest
+import torch
+from helpers import CUDA
+
+import flash_jvp
+from flash_jvp.kernels import configs, ws_barriers
+from flash_jvp.kernels.fwd import attn_fwd_kernel
 
 # The shape of Triton 3.6's output: %0 a TMA barrier the partitions use, %3 made and
 # initialised only, %6 one whose view the default partition waits on.
@@ -50,3 +56,40 @@ def test_removes_its_alloc_view_and_init_and_nothing_else():
 def test_a_barrier_passed_to_the_partitions_is_kept():
     # %0 reaches the warp_specialize op (after an '=' inside its attributes)
     assert "%0" not in ws_barriers.dead_barriers(TTGIR)
+
+
+def test_reinitialised_offsets():
+    lines = [
+        "mov.b32 %r10, global_smem;",
+        "add.s32 %r11, %r10, 181120;",
+        "add.s32 %r12, %r10, 8;",
+        "@%p1 mbarrier.init.shared::cta.b64 [%r10], 1;",
+        "@%p1 mbarrier.init.shared::cta.b64 [%r11], 128;",
+        "@%p1 mbarrier.init.shared::cta.b64 [%r12], 1;",
+    ]
+    assert ws_barriers.reinitialised("\n".join(lines)) == []
+    assert ws_barriers.reinitialised("\n".join([*lines, lines[3]])) == [0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (CUDA and torch.cuda.get_device_capability()[0] == 9 and ws_barriers.AFFECTED),
+    reason="Triton < 3.8's warp specialisation on Hopper only",
+)
+def test_launched_warp_specialised_forward_initialises_each_barrier_once():
+    """The warp-specialised forwards as the launcher compiles them: no shared-memory
+    location initialised as an mbarrier twice (Triton 3.6 gives 20 inits on bytes 0-15)."""
+    assert configs._WARP_SPECIALISED[False].get("fwd+jvp"), "no warp-specialised config"
+    q, k, v, q_t, k_t, v_t = (
+        torch.randn(1, 2, 1024, E, device="cuda", dtype=torch.bfloat16)
+        for E in (64, 64, 64, 64, 64, 64)
+    )
+    torch.func.jvp(flash_jvp.attention, (q, k, v), (q_t, k_t, v_t))
+    compiled = [
+        c
+        for c in attn_fwd_kernel.device_caches[torch.cuda.current_device()][0].values()
+        if "ttg.warp_specialize" in c.asm["ttgir"]
+    ]
+    assert compiled, "the launch did not warp-specialise"
+    for c in compiled:
+        assert ws_barriers.reinitialised(c.asm["ptx"]) == []

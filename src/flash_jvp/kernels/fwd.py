@@ -372,7 +372,7 @@ def attn_fwd_kernel(
     and stride 16-byte aligned with unit column stride (the launcher checks).
     WS: one warp-specialised key loop over every key block, each masked (with TMA, no
     attn_mask, dense); lse and mu stored through descriptors too; the launcher provides
-    the descriptors' global scratch.
+    the descriptors' global scratch and compiles it through ws_barriers.compile_hook.
     """
     stride_qm, stride_qtm = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_qtm, STRIDE_ALIGN)
     stride_kn, stride_ktn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_ktn, STRIDE_ALIGN)

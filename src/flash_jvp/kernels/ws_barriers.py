@@ -98,6 +98,24 @@ def remove_dead_barriers(text: str) -> str:
     return "\n".join(keep + lines[end:]) + "\n"
 
 
+def reinitialised(ptx: str) -> list[int]:
+    """Shared-memory offsets that more than one ``mbarrier.init`` of ``ptx`` names (offsets
+    of the form global_smem + constant, through chains of add.s32)."""
+    offset = {}
+    for dst, src, const in re.findall(
+        r"(?:mov\.b32|add\.s32)\s+(%r\d+), (%r\d+|global_smem)(?:, (\d+))?;", ptx
+    ):
+        if src == "global_smem":
+            offset[dst] = int(const or 0)
+        elif src in offset and const:
+            offset[dst] = offset[src] + int(const)
+    count: dict[int, int] = {}
+    for reg in re.findall(r"mbarrier\.init\.shared::cta\.b64 \[(%r\d+)\]", ptx):
+        if reg in offset:
+            count[offset[reg]] = count.get(offset[reg], 0) + 1
+    return sorted(off for off, n in count.items() if n > 1)
+
+
 def _rewrite(mod):
     """The module, re-parsed without its unused barriers (unchanged if it has none)."""
     text = mod.str()
