@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -289,9 +288,9 @@ def zeros(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
 def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
     """``kernel[grid](**kwargs)``, recorded into the plan being made."""
     # a warp-specialised forward compiles without Triton < 3.8's unused barriers (their
-    # memory is the key ring's); FLASH_JVP_WS_BARRIER_FIX=0 keeps them (issue 25's A/B)
-    fix = kwargs.get("WS") and os.environ.get("FLASH_JVP_WS_BARRIER_FIX", "1") != "0"
-    with ws_barriers.compile_hook((kernel.fn.__name__,)) if fix else contextlib.nullcontext():
+    # memory is the key ring's)
+    hook = ws_barriers.compile_hook((kernel.fn.__name__,))
+    with hook if kwargs.get("WS") else contextlib.nullcontext():
         compiled = _with_scratch(kernel[grid], **kwargs)
     if (recording := _recording()) is not None:
         recording.launched(kernel, grid, kwargs, compiled)

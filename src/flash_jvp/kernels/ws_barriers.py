@@ -136,8 +136,10 @@ def _rewrite(mod):
 @contextlib.contextmanager
 def compile_hook(names: tuple[str, ...]):
     """While active, kernels named in ``names`` compiled for CUDA lose their unused barriers
-    before lowering (where Triton is AFFECTED); any stage hook already set still runs."""
-    if not AFFECTED:
+    before lowering (where Triton is AFFECTED); any stage hook already set still runs.
+    FLASH_JVP_WS_BARRIER_FIX=0 keeps them (issue 25's A/B; Triton's cache key does not see
+    the hook, so give each setting its own TRITON_CACHE_DIR)."""
+    if not AFFECTED or os.environ.get("FLASH_JVP_WS_BARRIER_FIX", "1") == "0":
         yield
         return
     previous = knobs.runtime.add_stages_inspection_hook
