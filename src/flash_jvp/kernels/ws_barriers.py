@@ -99,8 +99,9 @@ def remove_dead_barriers(text: str) -> str:
 
 
 def reinitialised(ptx: str) -> list[int]:
-    """Shared-memory offsets that more than one ``mbarrier.init`` of ``ptx`` names (offsets
-    of the form global_smem + constant, through chains of add.s32)."""
+    """Shared-memory offsets that an ``mbarrier.init`` of ``ptx`` names while, in text order,
+    an earlier init there has not been invalidated (``mbarrier.inval``); offsets of the form
+    global_smem + constant, through chains of add.s32."""
     offset = {}
     for dst, src, const in re.findall(
         r"(?:mov\.b32|add\.s32)\s+(%r\d+), (%r\d+|global_smem)(?:, (\d+))?;", ptx
@@ -109,11 +110,17 @@ def reinitialised(ptx: str) -> list[int]:
             offset[dst] = int(const or 0)
         elif src in offset and const:
             offset[dst] = offset[src] + int(const)
-    count: dict[int, int] = {}
-    for reg in re.findall(r"mbarrier\.init\.shared::cta\.b64 \[(%r\d+)\]", ptx):
-        if reg in offset:
-            count[offset[reg]] = count.get(offset[reg], 0) + 1
-    return sorted(off for off, n in count.items() if n > 1)
+    live, twice = set(), set()
+    for op, reg in re.findall(r"mbarrier\.(init|inval)\.shared::cta\.b64 \[(%r\d+)\]", ptx):
+        if reg not in offset:
+            continue
+        if op == "inval":
+            live.discard(offset[reg])
+        elif offset[reg] in live:
+            twice.add(offset[reg])
+        else:
+            live.add(offset[reg])
+    return sorted(twice)
 
 
 def _rewrite(mod):
