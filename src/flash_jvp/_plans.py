@@ -22,7 +22,6 @@ made where Triton compiles (CUDA, not the interpreter).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import threading
@@ -287,10 +286,10 @@ def zeros(shape, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 def launch(kernel, grid: tuple[int, ...], **kwargs) -> None:
     """``kernel[grid](**kwargs)``, recorded into the plan being made."""
-    # a warp-specialised forward compiles without Triton < 3.8's unused barriers (their
-    # memory is the key ring's)
-    hook = ws_barriers.compile_hook((kernel.fn.__name__,))
-    with hook if kwargs.get("WS") else contextlib.nullcontext():
+    if kwargs.get("WS"):  # compiled without Triton < 3.8's unused barriers (ws_barriers.py)
+        with ws_barriers.compile_hook((kernel.fn.__name__,)):
+            compiled = _with_scratch(kernel[grid], **kwargs)
+    else:
         compiled = _with_scratch(kernel[grid], **kwargs)
     if (recording := _recording()) is not None:
         recording.launched(kernel, grid, kwargs, compiled)

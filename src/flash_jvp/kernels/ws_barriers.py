@@ -30,14 +30,17 @@ AFFECTED = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8)
 _ALLOC = re.compile(
     r"^\s*(%[\w.$-]+) = ttg\.local_alloc\s*(\{[^}]*\})?\s*: \(\) -> !ttg\.memdesc<[0-9x]*xi64,"
 )
+_VIEW = re.compile(r"^\s*(%[\w.$-]+) = ttg\.memdesc_index (%[\w.$-]+)\[")
+_INIT = re.compile(r"^\s*ttng\.init_barrier (%[\w.$-]+),")
 _USE = re.compile(r"%[\w.$-]+")
 _RESULTS = re.compile(r"^\s*%[\w.$-]+(?::\d+)?(?:, %[\w.$-]+(?::\d+)?)* = ")
 
 
 def _prologue(lines: list[str]) -> int:
     """Index of the line holding the ``ttg.warp_specialize`` op: the barriers are made before
-    it, at the function's top level (names inside its isolated regions may repeat)."""
-    return next(i for i, line in enumerate(lines) if "ttg.warp_specialize(" in line)
+    it, at the function's top level (names inside its isolated regions may repeat); 0
+    without it (nothing to remove)."""
+    return next((i for i, line in enumerate(lines) if "ttg.warp_specialize(" in line), 0)
 
 
 def dead_barriers(text: str) -> list[str]:
@@ -55,20 +58,13 @@ def dead_barriers(text: str) -> list[str]:
         if not m:
             continue
         alloc = m.group(1)
-        views = []
-        ok = True
-        for use in uses.get(alloc, []):
-            view = re.match(
-                r"^\s*(%[\w.$-]+) = ttg\.memdesc_index " + re.escape(alloc) + r"\[", use
-            )
-            if not view:
-                ok = False
-                break
-            views.append(view.group(1))
+        views = [_VIEW.match(use) for use in uses.get(alloc, [])]
+        ok = all(v and v.group(2) == alloc for v in views)
+        views = [v.group(1) for v in views if v] if ok else []
         for view in views:
-            for use in uses.get(view, []):
-                if not re.match(r"^\s*ttng\.init_barrier " + re.escape(view) + r",", use):
-                    ok = False
+            ok = ok and all(
+                (i := _INIT.match(use)) and i.group(1) == view for use in uses.get(view, [])
+            )
         if ok and views:
             dead.append(alloc)
     return dead
@@ -87,11 +83,11 @@ def remove_dead_barriers(text: str) -> str:
         m = _ALLOC.match(line)
         if m and m.group(1) in dead:
             continue
-        view = re.match(r"^\s*(%[\w.$-]+) = ttg\.memdesc_index (%[\w.$-]+)\[", line)
+        view = _VIEW.match(line)
         if view and view.group(2) in dead:
             views.add(view.group(1))
             continue
-        init = re.match(r"^\s*ttng\.init_barrier (%[\w.$-]+),", line)
+        init = _INIT.match(line)
         if init and init.group(1) in views:
             continue
         keep.append(line)
