@@ -53,9 +53,8 @@ def shapes(quick: bool) -> list[Shape]:
     lengths = (1024, 4096, 8192) if quick else (1024, 2048, 4096, 8192, 16384)
     out = [Shape(4, 16, n, 64, False) for n in lengths]
     out += [Shape(4, 16, n, 64, True) for n in lengths]
-    out += [Shape(4, 8, n, 128, False) for n in lengths]
-    # the L = 1024 shapes issue #16 compares against jvp-flash-attention on, causal too
-    out += [Shape(4, 8, 1024, 128, True)]
+    out += [Shape(4, 8, n, 128, causal) for causal in (False, True) for n in lengths]
+    # with B1 H32 E64: the L = 1024 shapes issue #16 compares against jvp-flash-attention on
     out += [Shape(1, 32, 1024, 64, causal) for causal in (False, True)]
     out += [Shape(64, 16, n, 64, False) for n in ((256, 1024) if quick else (256, 512, 1024))]
     out += [Shape(64, 16, 256, 72, False)]  # DiT-XL/2 at 256 px
