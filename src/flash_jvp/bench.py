@@ -313,13 +313,20 @@ def ratios(rows: list[Row]) -> list[dict]:
             return min((ms(m, mode) for m in ("sdpa_flash", "sdpa_cudnn")),
                        key=lambda t: t if math.isfinite(t) else math.inf)  # fmt: skip
 
+        dense = by.get(("flash_jvp", "fwd+jvp", r.B, r.H, r.L, r.E, False))
         out.append(
             {
                 "B": r.B, "H": r.H, "L": r.L, "E": r.E, "is_causal": r.is_causal,
                 "fwd+jvp / flash fwd": ms("flash_jvp", "fwd+jvp") / ms("sdpa_flash", "fwd"),
+                "fwd+jvp / cuDNN fwd": ms("flash_jvp", "fwd+jvp") / ms("sdpa_cudnn", "fwd"),
+                "fwd / cuDNN fwd": ms("flash_jvp", "fwd") / ms("sdpa_cudnn", "fwd"),
+                # fwd and bwd are timed apart: the step is their sum, for both
+                "fwd+bwd / cuDNN fwd+bwd": (ms("flash_jvp", "fwd") + ms("flash_jvp", "bwd"))
+                    / (ms("sdpa_cudnn", "fwd") + ms("sdpa_cudnn", "bwd")),
+                "causal / non-causal TFLOP/s, fwd+jvp":
+                    r.tflops / dense.tflops if r.is_causal and dense else math.nan,
                 "fwd+jvp+bwd / flash fwd+bwd":
                     ms("flash_jvp", "fwd+jvp+bwd") / ms("sdpa_flash", "fwd+bwd"),
-                "fwd / fastest SDPA fwd": ms("flash_jvp", "fwd") / fastest("fwd"),
                 "bwd / fastest SDPA bwd": ms("flash_jvp", "bwd") / fastest("bwd"),
                 "math jvp / fwd+jvp": ms("sdpa_math", "fwd+jvp") / ms("flash_jvp", "fwd+jvp"),
                 "pad10% / no mask, fwd+jvp":
