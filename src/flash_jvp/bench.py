@@ -355,7 +355,7 @@ def _markdown(meta: dict, rows: list[Row], ratio_rows: list[dict], host_us: dict
         )
     if ratio_rows:
         keys = list(ratio_rows[0])
-        lines += ["", "Time ratios (lower is better for ours):", "",
+        lines += ["", "Ratios (of times: lower is better for ours; of TFLOP/s: higher):", "",
                   "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]  # fmt: skip
         for rr in ratio_rows:
             lines.append(
