@@ -53,8 +53,9 @@ def _case(kind, affine, mod, shape, dtype):
     x = randn(*shape, dtype=dtype)
     w = randn(D, dtype=dtype) if affine else None
     b = randn(D, dtype=dtype) if affine == "weight+bias" and kind == "layer" else None
+    # "(T,1,D)": x (B, T, N, D), the modulation aligned with x's trailing dims as (1, T, 1, D)
     mshape = {"none": None, "(B,1,D)": (shape[0], *(1,) * (len(shape) - 2), D),
-              "(D,)": (D,), "(B,L,D)": shape}[mod]  # fmt: skip
+              "(D,)": (D,), "(B,L,D)": shape, "(T,1,D)": (shape[1], 1, D)}[mod]  # fmt: skip
     shift = None if mshape is None else randn(*mshape, dtype=dtype)
     scale = None if mshape is None else randn(*mshape, dtype=dtype, std=0.5)
     return x, w, b, shift, scale
@@ -127,6 +128,10 @@ CASES = [
     ("rms", "weight", "(B,1,D)", (2, 5)),
     ("rms", None, "(B,L,D)", (2, 3)),
     ("rms", "weight", "none", (2, 2, 3)),
+    # a modulation of fewer dims than x that varies over a middle dim, with B == T (where a
+    # left-aligned reading passes unnoticed) and B != T
+    ("layer", "weight+bias", "(T,1,D)", (3, 3, 4)),
+    ("rms", None, "(T,1,D)", (2, 3, 4)),
 ]
 
 
@@ -251,11 +256,15 @@ def test_activation_matches_float64(kind, dtype, norm_path, launches):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_IDS[d])
-@pytest.mark.parametrize("gate_shape", ["(B,1,D)", "(D,)", "(B,L,D)", "(L,D)", "(B,L,1) plain"])
+@pytest.mark.parametrize(
+    "gate_shape",
+    ["(B,1,D)", "(D,)", "(B,L,D)", "(L,D)", "(B,L,1) plain", "(T,1,D)", "(T,1,D) B!=T"],
+)
 def test_gated_residual_matches_float64(gate_shape, dtype, norm_path, monkeypatch):
     """x + gate * y with the residual stream in float32 and gate, y in ``dtype`` (a DiT
     under autocast): out, out_t and both backward passes against float64; a gate varying
-    along the rows only ((B, L, 1)) takes the plain ops."""
+    along the rows only ((B, L, 1)) takes the plain ops; "(T,1,D)": x (B, T, N, D), the gate
+    aligned with its trailing dims."""
     if dtype not in _utils.kernel_dtypes(torch.device(DEVICE)) and norm_path == "fused":
         pytest.skip("the interpreter computes bfloat16 wrongly")
     if norm_path == "plain":
@@ -264,11 +273,14 @@ def test_gated_residual_matches_float64(gate_shape, dtype, norm_path, monkeypatc
     real = _residual.dual_apply
     monkeypatch.setattr(_residual, "dual_apply", lambda *a: calls.append(1) or real(*a))
     B, L, D = 3, 7, 40
+    xshape = {"(T,1,D)": (3, 3, 5, D), "(T,1,D) B!=T": (2, 3, 5, D)}.get(gate_shape, (B, L, D))
     gshape = {"(B,1,D)": (B, 1, D), "(D,)": (D,), "(B,L,D)": (B, L, D), "(L,D)": (L, D),
-              "(B,L,1) plain": (B, L, 1)}  # fmt: skip
-    inputs = [randn(B, L, D), randn(*gshape[gate_shape], dtype=dtype), randn(B, L, D, dtype=dtype)]
+              "(B,L,1) plain": (B, L, 1), "(T,1,D)": (3, 1, D),
+              "(T,1,D) B!=T": (3, 1, D)}  # fmt: skip
+    inputs = [randn(*xshape), randn(*gshape[gate_shape], dtype=dtype),
+              randn(*xshape, dtype=dtype)]  # fmt: skip
     tangents = [randn(*t.shape, dtype=t.dtype) for t in inputs]
-    dout, dout_t = randn(B, L, D, dtype=torch.float64), randn(B, L, D, dtype=torch.float64)
+    dout, dout_t = randn(*xshape, dtype=torch.float64), randn(*xshape, dtype=torch.float64)
 
     def run(fn, inputs, tangents):
         xs = [t.detach().requires_grad_() for t in inputs]
@@ -289,6 +301,94 @@ def test_gated_residual_matches_float64(gate_shape, dtype, norm_path, monkeypatc
     assert got[0].dtype == got[1].dtype == torch.float32
     _assert_all(f"gated residual {gate_shape} {dtype}", got, ref, tols)
     assert len(calls) == (norm_path == "fused" and gate_shape != "(B,L,1) plain")
+
+
+def _one_input_layers():
+    """Every fused layer as a function of one input x (its other operands fixed, no
+    tangents), with the same function in plain float64 ops."""
+    D = 24
+    w, shift, scale = randn(7, D), randn(2, 1, D), randn(2, 1, D, std=0.5)
+    gate, update = randn(2, 1, D), randn(2, 5, D)
+    f64 = torch.float64
+    return {
+        "layer_norm": (lambda x: FN.layer_norm(x, D, shift=shift, scale=scale),
+                       lambda x: _ref64("layer", x, None, None, shift.to(f64), scale.to(f64))),
+        "rms_norm": (lambda x: FN.rms_norm(x, D, eps=1e-5),
+                     lambda x: _ref64("rms", x, None, None, None, None)),
+        "gelu": (FN.gelu, torch.nn.functional.gelu),
+        "silu": (FN.silu, torch.nn.functional.silu),
+        "gated_residual": (lambda x: FN.gated_residual(x, gate, update * x),
+                           lambda x: x + gate.to(f64) * update.to(f64) * x),
+        "linear": (lambda x: FN.linear(x, w), lambda x: x @ w.to(f64).T),
+    }  # fmt: skip
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many fused Functions ran (dual_apply of every layer module)."""
+    calls = []
+    for module in (_norm, _activation, _residual, _linear):
+        real = module.dual_apply
+        monkeypatch.setattr(module, "dual_apply", lambda *a, _r=real: calls.append(1) or _r(*a))
+    return calls
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("layer", list(_one_input_layers()))
+def test_gradients_wrt_the_tangent_only(layer, create_graph, fused_calls):
+    """Reverse mode into the tangent alone (the primal needs no gradient, as for a frozen
+    layer applied to data): the gradient of <y, dy> + <y_t, dy_t> with respect to x_t, as
+    plain ops give it (the fused Function's backward once failed on y having no graph)."""
+    fn, ref = _one_input_layers()[layer]
+    x, x_t = randn(2, 5, 24), randn(2, 5, 24)
+    dy, dy_t = (
+        randn(2, 5, 24 if layer != "linear" else 7),
+        randn(2, 5, 24 if layer != "linear" else 7),
+    )
+
+    def grad(fn, x, x_t):
+        x_t = x_t.detach().requires_grad_()
+        y, y_t = torch.func.jvp(fn, (x,), (x_t,))
+        loss = (y.double() * dy.double()).sum() + (y_t.double() * dy_t.double()).sum()
+        return torch.autograd.grad(loss, x_t, create_graph=create_graph)[0]
+
+    expected = grad(ref, x.double(), x_t.double())
+    assert _check.rel_err(grad(fn, x, x_t), expected) < 1e-5
+    assert len(fused_calls) == _fused_count(layer)
+
+
+def _fused_count(layer: str) -> int:
+    """Fused Functions one call of ``layer`` runs under a jvp: Linear's has no kernel."""
+    return int(layer == "linear" or _utils.uses_kernels(torch.device(DEVICE)))
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("layer", list(_one_input_layers()))
+def test_backward_inside_forward_ad_level(layer, create_graph, fused_calls):
+    """A backward through the tangent (or one that builds a graph) taken inside
+    ``forward_ad.dual_level`` (torch.func.jvp there would open a second forward-AD level,
+    which torch refuses): the gradient of <y_t, dy_t> + <y, dy> with respect to x."""
+    import torch.autograd.forward_ad as fwAD
+
+    if layer == "silu" and not _fused_count(layer):
+        pytest.skip("plain ops: torch's silu_backward has no forward-AD formula, so a "
+                    "backward inside the level fails in torch itself")  # fmt: skip
+    fn, ref = _one_input_layers()[layer]
+    x, x_t = randn(2, 5, 24), randn(2, 5, 24)
+    out = 24 if layer != "linear" else 7
+    dy, dy_t = randn(2, 5, out, dtype=torch.float64), randn(2, 5, out, dtype=torch.float64)
+
+    def loss(y, y_t):
+        return (y.double() * dy).sum() + (y_t.double() * dy_t).sum()
+
+    x64 = x.double().requires_grad_()
+    expected = torch.autograd.grad(loss(*torch.func.jvp(ref, (x64,), (x_t.double(),))), x64)[0]
+    leaf = x.detach().requires_grad_()
+    with fwAD.dual_level():
+        y, y_t = fwAD.unpack_dual(fn(fwAD.make_dual(leaf, x_t)))
+        got = torch.autograd.grad(loss(y, y_t), leaf, create_graph=create_graph)[0]
+    assert _check.rel_err(got, expected) < 1e-5
+    assert len(fused_calls) == _fused_count(layer)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_IDS[d])
@@ -488,6 +588,37 @@ def test_errors():
         TypeError, match="subclasses of nn.LayerNorm, .* or flash_jvp.nn.GatedResidual, got .*ReLU"
     ):
         fnn.convert(nn.ReLU(), types=(nn.ReLU,))
+    for fn in (fnn.convert, fnn.revert):
+        with pytest.raises(TypeError, match="expected model to be a torch.nn.Module, but got"):
+            fn(None)
+
+
+def test_what_torch_takes_the_layers_take(norm_path):
+    """Arguments torch.nn's layers accept, through the converted layers and the functional
+    forms: NumPy scalars as normalized_shape and eps; Linear with no input or no output
+    features (its backward through the tangent too); F.linear's 1-D weight."""
+    import numpy as np
+
+    x = randn(2, 3, 8)
+    for norm in (nn.LayerNorm(np.int64(8), eps=np.float32(1e-6), device=DEVICE),
+                 nn.RMSNorm((np.int32(8),), eps=np.float64(1e-6), device=DEVICE)):  # fmt: skip
+        ref = norm(x)
+        assert _check.rel_err(fnn.convert(norm)(x), ref.double()) < 1e-5
+    for n_in, n_out in ((0, 5), (5, 0)):
+        lin = nn.Linear(n_in, n_out, device=DEVICE)
+        x, x_t = randn(3, n_in), randn(3, n_in)
+        grads = []
+        for layer in (lin, fnn.convert(copy.deepcopy(lin))):
+            y, y_t = torch.func.jvp(layer, (x,), (x_t,))
+            loss = y.sum() + y_t.square().sum()
+            grads.append(torch.autograd.grad(loss, (layer.weight, layer.bias)))
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    w, x, x_t = randn(8).requires_grad_(), randn(3, 8), randn(3, 8)
+    grads = []
+    for fn in (torch.nn.functional.linear, FN.linear):
+        y, y_t = torch.func.jvp(lambda x, fn=fn: fn(x, w), (x,), (x_t,))
+        grads.append(torch.autograd.grad(y.square().sum() + y_t.sum(), w)[0])
+    assert y.shape == (3,) and torch.equal(*grads)
 
 
 class _PlainLayerNorm(nn.LayerNorm):

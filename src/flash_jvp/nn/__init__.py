@@ -120,9 +120,10 @@ def convert(model: nn.Module, types: tuple[type, ...] = ()) -> nn.Module:
     classes (do that before pickling a whole model converted with ``types``: those
     subclasses are made at run time; ``state_dict`` is unaffected).
 
-    Raises: TypeError when ``types`` holds something other than subclasses of those classes
-    (or of :class:`GatedResidual`).
+    Raises: TypeError when ``model`` is not an ``nn.Module`` or ``types`` holds something
+    other than subclasses of those classes (or of :class:`GatedResidual`).
     """
+    _check_model("convert", model)
     types = (types,) if isinstance(types, type) else tuple(types)
     for t in types:
         if not (isinstance(t, type) and issubclass(t, tuple(_FUSED))):
@@ -144,9 +145,17 @@ def convert(model: nn.Module, types: tuple[type, ...] = ()) -> nn.Module:
 def revert(model: nn.Module) -> nn.Module:
     """Undo :func:`convert`: every converted module gets its original class back. A module
     whose class changed since (e.g. ``torch.nn.utils.parametrize`` made a subclass of it)
-    stays as it is: swapping its class back would drop that change."""
+    stays as it is: swapping its class back would drop that change. Raises TypeError when
+    ``model`` is not an ``nn.Module``."""
+    _check_model("revert", model)
     for m in model.modules():
         if type(m) is m.__dict__.get("_flash_jvp_fused"):
             m.__class__ = m.__dict__.pop("_flash_jvp_original")
             del m.__dict__["_flash_jvp_fused"]
     return model
+
+
+def _check_model(name: str, model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name}: expected model to be a torch.nn.Module, but got "
+                        f"{type(model).__name__}")  # fmt: skip

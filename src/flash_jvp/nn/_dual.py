@@ -12,6 +12,7 @@ Function's backward.
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch._C._functorch import (
     TransformType,
     _wrap_for_grad,
@@ -78,14 +79,39 @@ def reference_vjp(f, primals: list, tangents: list, need_p, need_t, dy, dy_t):
             return f(*args)
 
         if moving:
-            y, y_t = torch.func.jvp(g, tuple(ps[i] for i in moving), tuple(ts[i] for i in moving))
+            y, y_t = _jvp(g, [ps[i] for i in moving], [ts[i] for i in moving])
         else:
             y, y_t = g(), None
-        outs = [(o, c) for o, c in ((y, dy), (y_t, dy_t)) if c is not None]
+        # an output that depends on nothing requiring grad (y where only tangents do) has
+        # no graph: it contributes nothing
+        outs = [(o, c) for o, c in ((y, dy), (y_t, dy_t))
+                if c is not None and o is not None and o.requires_grad]  # fmt: skip
         inputs = ps + ts
-        needs = list(need_p) + list(need_t)
-        wanted = [t for t, n in zip(inputs, needs) if n and t is not None]
+        needs = [n and t is not None for t, n in zip(inputs, [*need_p, *need_t])]
+        wanted = [t for t, n in zip(inputs, needs) if n]
         grads = iter(torch.autograd.grad([o for o, _ in outs], wanted, [c for _, c in outs],
-                                         allow_unused=True, create_graph=create))  # fmt: skip
-        out = [next(grads) if n and t is not None else None for t, n in zip(inputs, needs)]
+                                         allow_unused=True, create_graph=create)
+                     if outs and wanted else ())  # fmt: skip
+        out = [next(grads, None) if n else None for n in needs]
     return out[: len(ps)], out[len(ps) :]
+
+
+def _jvp(g, primals: list, tangents: list):
+    """(g(*primals), its JVP along tangents), differentiable in both: torch.func.jvp; inside
+    a ``torch.autograd.forward_ad.dual_level`` (where torch.func.jvp would open a second
+    forward-AD level, which torch refuses, and duals made at that level reach backward
+    formulas without forward-AD support, e.g. silu_backward) by reverse mode twice: u ->
+    J^T u is linear in u, so its vector-Jacobian product along the tangents is J t."""
+    if fwAD._current_level < 0:
+        return torch.func.jvp(g, tuple(primals), tuple(tangents))
+    # a primal without grad (its gradient is not wanted) becomes a leaf that has one
+    xs = [p if p.requires_grad else p.detach().requires_grad_() for p in primals]
+    y = g(*xs)
+    u = torch.zeros_like(y, requires_grad=True)
+    vjps = torch.autograd.grad(y, xs, u, create_graph=True, allow_unused=True)
+    pairs = [(v, t) for v, t in zip(vjps, tangents) if v is not None and v.requires_grad]
+    if not pairs:  # y does not move with the primals
+        return y, torch.zeros_like(y)
+    (y_t,) = torch.autograd.grad([v for v, _ in pairs], u, [t for _, t in pairs],
+                                 create_graph=True, allow_unused=True)  # fmt: skip
+    return y, torch.zeros_like(y) if y_t is None else y_t

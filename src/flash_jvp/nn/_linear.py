@@ -10,6 +10,8 @@ backward keeps, as autocast's own cast nodes would.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +39,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return F.linear(x, weight, bias)
     dtype = compute_dtype(x)
     tensors = [t for t in (x, weight, bias) if t is not None]
-    if (tangent(weight) is not None or tangent(bias) is not None
+    if (tangent(weight) is not None or tangent(bias) is not None or weight.dim() != 2
             or any(t.dtype not in DTYPES or t.device != x.device for t in tensors)
             or (x_t is not None and x_t.dtype != x.dtype)
             or (not torch.is_autocast_enabled(x.device.type)
@@ -53,6 +55,11 @@ def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 def _or(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return b if a is None else a
+
+
+def _rows(t: Tensor) -> Tensor:
+    """t as (rows, features), also where either is 0 (reshape(-1, 0) is ambiguous)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 class LinearFn(_Function):
@@ -94,10 +101,10 @@ class LinearFn(_Function):
         if need[1]:
             pairs = [(g, a) for g, a in ((dy, x_c), (dy_t, x_t_c)) if g is not None]
             for g, a in pairs:
-                part = g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
+                part = _rows(g).T @ _rows(a)
                 dw = part if dw is None else dw + part
         if need[2] and dy is not None:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0)
+            db = _rows(dy).sum(0)
         grads = (dx, dw, db, dx_t)
         like = (x, weight, bias, x)
         return (*(g if g is None else _or(_cast(g, t.dtype), g) for g, t in zip(grads, like)), None)

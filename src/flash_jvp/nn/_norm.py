@@ -29,6 +29,7 @@ class NormSpec:
     eps: float
     out_dtype: torch.dtype
     lead: tuple[int, ...]  # x.shape[:k], the dims the modulation varies over
+    ndim: int  # x.dim(): the modulation aligns with x's trailing dims, as broadcasting does
 
     @property
     def groups(self) -> int:
@@ -51,16 +52,16 @@ def group_dims(x: Tensor, mods: list[Tensor]) -> int | None:
     return k
 
 
-def as_groups(m: Tensor | None, lead: tuple[int, ...]) -> Tensor | None:
-    """A modulation tensor (or its tangent) varying over x's first dims ``lead`` as
-    (prod(lead), D) rows of unit column stride (a view where one exists: the kernels take
-    the row stride)."""
+def as_groups(m: Tensor | None, lead: tuple[int, ...], ndim: int) -> Tensor | None:
+    """A modulation tensor (or its tangent) that broadcasts to an x of ``ndim`` dims and varies
+    over x's first dims ``lead`` only (:func:`group_dims`), as (prod(lead), D) rows of unit
+    column stride (a view where one exists: the kernels take the row stride)."""
     if m is None:
         return None
-    shape = (*lead, *(1,) * (m.dim() - len(lead) - 1), m.shape[-1])
-    ndim = len(shape)
-    m = m.reshape((1,) * (ndim - m.dim()) + tuple(m.shape)) if m.dim() < ndim else m
-    rows = m.expand(shape).reshape(math.prod(lead), m.shape[-1])
+    d = m.shape[-1]
+    # aligned with x's trailing dims; those between lead and the last are then 1
+    m = m.reshape((1,) * (ndim - m.dim()) + tuple(m.shape))
+    rows = m.reshape(*m.shape[: len(lead)], d).expand(*lead, d).reshape(math.prod(lead), d)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
@@ -77,8 +78,7 @@ def _from_groups(g: Tensor | None, like: Tensor, spec: NormSpec) -> Tensor | Non
     """Inverse of :func:`as_groups` for a gradient: (groups, D) summed to ``like``'s shape."""
     if g is None:
         return None
-    ndim = max(like.dim(), len(spec.lead) + 1)
-    full = g.view(*spec.lead, *(1,) * (ndim - len(spec.lead) - 1), g.shape[-1])
+    full = g.view(*spec.lead, *(1,) * (spec.ndim - len(spec.lead) - 1), g.shape[-1])
     return full.sum_to_size(like.shape).to(like.dtype)
 
 
@@ -130,7 +130,7 @@ def norm(x, weight, bias, shift, scale, rms: bool, eps: float, dims: int) -> Ten
     if k is None or not _fusable(x, weight, bias, mods, dtype):
         return reference(x, weight, bias, shift, scale, rms, eps, dims, dtype)
     lead = tuple(x.shape[:k])
-    spec = NormSpec(rms, float(eps), dtype, lead)
+    spec = NormSpec(rms, float(eps), dtype, lead, x.dim())
     tangents = [tangent(x), tangent(shift), tangent(scale)]
     if (tangent(weight) is not None or tangent(bias) is not None
             or any(t is not None and t.dtype != p.dtype
@@ -180,7 +180,7 @@ def fwd(x, x_t, weight, bias, shift, scale, shift_t, scale_t, spec: NormSpec, ta
     y = _plans.allocate((n, d), x.device, spec.out_dtype)
     y_t = _plans.allocate((n, d), x.device, spec.out_dtype) if tangent_out else None
     rstd = _plans.allocate((n,), x.device, torch.float32)
-    mods = [as_groups(m, spec.lead) for m in (shift, scale, shift_t, scale_t)]
+    mods = [as_groups(m, spec.lead, spec.ndim) for m in (shift, scale, shift_t, scale_t)]
     block, warps = width_config(d)
     with on_device(x):
         norm_fwd_kernel[(n,)](
@@ -217,7 +217,7 @@ def bwd(dy, x, rstd, weight, bias, shift, scale, spec: NormSpec, need) -> list:
         for name, flag in (("shift", need_shift), ("scale", need_scale), ("w", need_w),
                            ("b", need_b))
     }  # fmt: skip
-    mods = [as_groups(m, spec.lead) for m in (shift, scale)]
+    mods = [as_groups(m, spec.lead, spec.ndim) for m in (shift, scale)]
     block, warps = width_config(d)
     with on_device(x):
         norm_bwd_kernel[(programs,)](

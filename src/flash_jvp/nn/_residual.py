@@ -51,7 +51,7 @@ def fwd(x, gate, y, x_t, gate_t, y_t, lead, dtype, tangent_out: bool):
 
     rows, rows_y = rows_of(x), rows_of(y)
     rows_xt, rows_yt = (None if t is None else rows_of(t) for t in (x_t, y_t))
-    g, g_t = as_groups(gate, lead), as_groups(gate_t, lead)
+    g, g_t = as_groups(gate, lead, x.dim()), as_groups(gate_t, lead, x.dim())
     n, d = rows.shape
     out = _plans.allocate((n, d), x.device, dtype)
     out_t = _plans.allocate((n, d), x.device, dtype) if tangent_out else None

@@ -11,6 +11,7 @@ vary along the normalized rows) the same math runs in plain PyTorch ops.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -30,10 +31,11 @@ def _check(name: str, input: Tensor, normalized_shape, eps, params: dict) -> int
         raise TypeError(f"{name}: expected input to be a Tensor, but got {type(input).__name__}")
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
     if not (isinstance(shape, (tuple, list, torch.Size))
-            and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):  # fmt: skip
+            and all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
+                    for n in shape)):  # fmt: skip
         raise TypeError(f"{name}: expected normalized_shape to be an int or a sequence of ints, "
                         f"but got {normalized_shape!r}")  # fmt: skip
-    shape = tuple(shape)
+    shape = tuple(int(n) for n in shape)
     dims = len(shape)
     if dims == 0 or tuple(input.shape[-dims:]) != shape or input.dim() < dims:
         raise ValueError(
@@ -42,7 +44,7 @@ def _check(name: str, input: Tensor, normalized_shape, eps, params: dict) -> int
         )
     if not input.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point input, but got {input.dtype}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
         raise TypeError(f"{name}: expected eps to be a float, but got {eps!r}")
     for arg, t in params.items():
         if t is None:
@@ -86,7 +88,8 @@ def layer_norm(
         shift, scale: None or broadcasting to input: adaLN modulation, e.g. (B, 1, D) for an
             input (B, L, D). Their forward-mode tangents take part in the JVP.
 
-    Returns: input's shape; input's dtype promoted with shift's and scale's (float32 under
+    Returns: input's shape broadcast with shift's and scale's (as the plain ops give it:
+    input's where they broadcast to it); input's dtype promoted with theirs (float32 under
     autocast, which runs layer_norm in float32).
 
     Raises: ValueError for a shape that does not match normalized_shape, a weight or bias not
@@ -98,7 +101,7 @@ def layer_norm(
     """
     params = {"weight": weight, "bias": bias, "shift": shift, "scale": scale}
     dims = _check("layer_norm", input, normalized_shape, eps, params)
-    return norm(input, weight, bias, shift, scale, False, eps, dims)
+    return norm(input, weight, bias, shift, scale, False, float(eps), dims)
 
 
 def rms_norm(
@@ -120,7 +123,7 @@ def rms_norm(
     if eps is None and isinstance(input, Tensor) and input.is_floating_point():
         eps = torch.finfo(torch.promote_types(input.dtype, torch.float32)).eps
     dims = _check("rms_norm", input, normalized_shape, eps, params)
-    return norm(input, weight, None, shift, scale, True, eps, dims)
+    return norm(input, weight, None, shift, scale, True, float(eps), dims)
 
 
 def gated_residual(input: Tensor, gate: Tensor, update: Tensor) -> Tensor:
@@ -152,7 +155,8 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     and y_t = input_t W^T with the casts autocast would make, made once (no GEMM stacking
     yet); its backward is exact in plain GEMMs. Elsewhere (no tangent outside any transform,
     torch.compile, vmap, tangents on weight or bias, float64) it is ``F.linear``, whose
-    errors it gives. input (*, in), weight (out, in), bias (out,) or None -> (*, out)."""
+    errors it gives. input (*, in), weight (out, in) (a 1-D weight: ``F.linear``), bias
+    (out,) or None -> (*, out)."""
     return _linear(input, weight, bias)
 
 
