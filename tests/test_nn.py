@@ -591,6 +591,8 @@ def test_errors():
     for fn in (fnn.convert, fnn.revert):
         with pytest.raises(TypeError, match="expected model to be a torch.nn.Module, but got"):
             fn(None)
+    with pytest.raises(TypeError, match="argument 'weight' .* must be Tensor, not str"):
+        torch.func.jvp(lambda x: FN.linear(x, "w"), (x,), (x,))
 
 
 def test_what_torch_takes_the_layers_take(norm_path):

@@ -32,8 +32,9 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """F.linear; under forward AD (tangent on x only) through :class:`LinearFn`."""
-    if not fusable_context():
-        return F.linear(x, weight, bias)
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    if not fusable_context() or not all(isinstance(t, Tensor) for t in operands):
+        return F.linear(x, weight, bias)  # torch's path (and its errors)
     x_t = tangent(x)
     if x_t is None and not torch._C._functorch.peek_interpreter_stack():
         return F.linear(x, weight, bias)
