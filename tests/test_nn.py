@@ -606,6 +606,8 @@ def test_what_torch_takes_the_layers_take(norm_path):
                  nn.RMSNorm((np.int32(8),), eps=np.float64(1e-6), device=DEVICE)):  # fmt: skip
         ref = norm(x)
         assert _check.rel_err(fnn.convert(norm)(x), ref.double()) < 1e-5
+    ref = torch.nn.functional.layer_norm(x, (8,))
+    assert _check.rel_err(FN.layer_norm(x, np.int64(8), eps=np.float32(1e-5)), ref.double()) < 1e-5
     for n_in, n_out in ((0, 5), (5, 0)):
         lin = nn.Linear(n_in, n_out, device=DEVICE)
         x, x_t = randn(3, n_in), randn(3, n_in)

@@ -110,8 +110,8 @@ def _jvp(g, primals: list, tangents: list):
     u = torch.zeros_like(y, requires_grad=True)
     vjps = torch.autograd.grad(y, xs, u, create_graph=True, allow_unused=True)
     pairs = [(v, t) for v, t in zip(vjps, tangents) if v is not None and v.requires_grad]
-    if not pairs:  # y does not move with the primals
-        return y, torch.zeros_like(y)
+    if not pairs:  # y does not move with the primals: no tangent (the caller drops it)
+        return y, None
     (y_t,) = torch.autograd.grad([v for v, _ in pairs], u, [t for _, t in pairs],
                                  create_graph=True, allow_unused=True)  # fmt: skip
-    return y, torch.zeros_like(y) if y_t is None else y_t
+    return y, y_t

@@ -32,14 +32,13 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """F.linear; under forward AD (tangent on x only) through :class:`LinearFn`."""
-    operands = (x, weight) if bias is None else (x, weight, bias)
-    if not fusable_context() or not all(isinstance(t, Tensor) for t in operands):
+    tensors = [t for t in (x, weight, bias) if t is not None]
+    if not fusable_context() or not all(isinstance(t, Tensor) for t in tensors):
         return F.linear(x, weight, bias)  # torch's path (and its errors)
     x_t = tangent(x)
     if x_t is None and not torch._C._functorch.peek_interpreter_stack():
         return F.linear(x, weight, bias)
     dtype = compute_dtype(x)
-    tensors = [t for t in (x, weight, bias) if t is not None]
     if (tangent(weight) is not None or tangent(bias) is not None or weight.dim() != 2
             or any(t.dtype not in DTYPES or t.device != x.device for t in tensors)
             or (x_t is not None and x_t.dtype != x.dtype)

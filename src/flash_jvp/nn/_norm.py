@@ -29,7 +29,6 @@ class NormSpec:
     eps: float
     out_dtype: torch.dtype
     lead: tuple[int, ...]  # x.shape[:k], the dims the modulation varies over
-    ndim: int  # x.dim(): the modulation aligns with x's trailing dims, as broadcasting does
 
     @property
     def groups(self) -> int:
@@ -74,11 +73,11 @@ def row_stride(m: Tensor | None) -> int:
     return 0 if m is None else m.stride(0)
 
 
-def _from_groups(g: Tensor | None, like: Tensor, spec: NormSpec) -> Tensor | None:
+def _from_groups(g: Tensor | None, like: Tensor, spec: NormSpec, ndim: int) -> Tensor | None:
     """Inverse of :func:`as_groups` for a gradient: (groups, D) summed to ``like``'s shape."""
     if g is None:
         return None
-    full = g.view(*spec.lead, *(1,) * (spec.ndim - len(spec.lead) - 1), g.shape[-1])
+    full = g.view(*spec.lead, *(1,) * (ndim - len(spec.lead) - 1), g.shape[-1])
     return full.sum_to_size(like.shape).to(like.dtype)
 
 
@@ -130,7 +129,7 @@ def norm(x, weight, bias, shift, scale, rms: bool, eps: float, dims: int) -> Ten
     if k is None or not _fusable(x, weight, bias, mods, dtype):
         return reference(x, weight, bias, shift, scale, rms, eps, dims, dtype)
     lead = tuple(x.shape[:k])
-    spec = NormSpec(rms, float(eps), dtype, lead, x.dim())
+    spec = NormSpec(rms, float(eps), dtype, lead)
     tangents = [tangent(x), tangent(shift), tangent(scale)]
     if (tangent(weight) is not None or tangent(bias) is not None
             or any(t is not None and t.dtype != p.dtype
@@ -180,7 +179,7 @@ def fwd(x, x_t, weight, bias, shift, scale, shift_t, scale_t, spec: NormSpec, ta
     y = _plans.allocate((n, d), x.device, spec.out_dtype)
     y_t = _plans.allocate((n, d), x.device, spec.out_dtype) if tangent_out else None
     rstd = _plans.allocate((n,), x.device, torch.float32)
-    mods = [as_groups(m, spec.lead, spec.ndim) for m in (shift, scale, shift_t, scale_t)]
+    mods = [as_groups(m, spec.lead, x.dim()) for m in (shift, scale, shift_t, scale_t)]
     block, warps = width_config(d)
     with on_device(x):
         norm_fwd_kernel[(n,)](
@@ -217,7 +216,7 @@ def bwd(dy, x, rstd, weight, bias, shift, scale, spec: NormSpec, need) -> list:
         for name, flag in (("shift", need_shift), ("scale", need_scale), ("w", need_w),
                            ("b", need_b))
     }  # fmt: skip
-    mods = [as_groups(m, spec.lead, spec.ndim) for m in (shift, scale)]
+    mods = [as_groups(m, spec.lead, x.dim()) for m in (shift, scale)]
     block, warps = width_config(d)
     with on_device(x):
         norm_bwd_kernel[(programs,)](
@@ -236,8 +235,12 @@ def bwd(dy, x, rstd, weight, bias, shift, scale, spec: NormSpec, need) -> list:
         None if dx is None else dx.view(x.shape),
         None if p["w"] is None else p["w"].sum(0).to(weight.dtype),
         None if p["b"] is None else p["b"].sum(0).to(bias.dtype),
-        None if p["shift"] is None else _from_groups(_group_sum(p["shift"], spec), shift, spec),
-        None if p["scale"] is None else _from_groups(_group_sum(p["scale"], spec), scale, spec),
+        None
+        if p["shift"] is None
+        else _from_groups(_group_sum(p["shift"], spec), shift, spec, x.dim()),
+        None
+        if p["scale"] is None
+        else _from_groups(_group_sum(p["scale"], spec), scale, spec, x.dim()),
     ]
 
 

@@ -29,7 +29,8 @@ def _check(name: str, input: Tensor, normalized_shape, eps, params: dict) -> int
     normalized dims."""
     if not isinstance(input, Tensor):
         raise TypeError(f"{name}: expected input to be a Tensor, but got {type(input).__name__}")
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+    shape = ((normalized_shape,) if isinstance(normalized_shape, numbers.Integral)
+             else normalized_shape)  # fmt: skip
     if not (isinstance(shape, (tuple, list, torch.Size))
             and all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
                     for n in shape)):  # fmt: skip
