@@ -61,6 +61,28 @@ def test_c1_func_jvp_and_forward_ad(dtype, is_causal):
     torch.testing.assert_close(out.tangent, o_t, rtol=0, atol=0)
 
 
+def test_c1_tangents_read_only_where_a_dual_level_exists(monkeypatch):
+    """Eagerly and outside torch.func, tangents are unpacked only while a forward-AD level
+    exists (host time): a level entered without the context manager still gives the fused
+    tangent, and plain calls before and after it read none."""
+    from flash_jvp import _function
+
+    q, k, v, tangents, _ = qkv(1, 2, 2, 32, 32, 16, dtype=torch.float32)
+    _, o_t = torch.func.jvp(flash_jvp.attention, (q, k, v), tangents)
+    read = []
+    monkeypatch.setattr(_function, "tangent", lambda x, name=None: read.append(name))
+    flash_jvp.attention(q, k, v)
+    assert read == []
+    monkeypatch.undo()
+    fwAD.enter_dual_level()
+    try:
+        duals = [fwAD.make_dual(x, t) for x, t in zip((q, k, v), tangents)]
+        out = fwAD.unpack_dual(flash_jvp.attention(*duals)).tangent
+    finally:
+        fwAD.exit_dual_level()
+    torch.testing.assert_close(out, o_t, rtol=0, atol=0)
+
+
 def test_c1_cpu_without_interpreter_uses_the_fallback():
     """CPU tensors without TRITON_INTERPRET run the documented PyTorch path (no compile trace)."""
     code = (

@@ -140,19 +140,18 @@ def _kernel_problems(q, k, v, names=("query", "key", "value")) -> list[Problem]:
                 f"are {', '.join(str(d) for d in dtypes)}.",
             )
         )
-    head_dims = ((f"{names[0]}/{names[1]} head_dim", q.shape[-1]),
-                 (f"{names[2]} head_dim", v.shape[-1]))  # fmt: skip
-    for name, e in head_dims:
+    qs = q.shape
+    for which, e in ((f"{names[0]}/{names[1]}", qs[-1]), (names[2], v.shape[-1])):
         if not 1 <= e <= MAX_HEAD_DIM:
             out.append(
                 (
                     NotImplementedError,
-                    f"flash_jvp: {name} {e} is not supported; supported head dims are 1 to "
-                    f"{MAX_HEAD_DIM} ({names[0]} {tuple(q.shape)}, {names[2]} "
+                    f"flash_jvp: {which} head_dim {e} is not supported; supported head dims "
+                    f"are 1 to {MAX_HEAD_DIM} ({names[0]} {tuple(qs)}, {names[2]} "
                     f"{tuple(v.shape)}).",
                 )
             )
-    batch_heads = math.prod(q.shape[:-2])
+    batch_heads = math.prod(qs[:-2])
     if names[0] == "query" and batch_heads > MAX_GRID_Y:
         out.append(
             (
