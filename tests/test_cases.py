@@ -61,25 +61,31 @@ def test_c1_func_jvp_and_forward_ad(dtype, is_causal):
     torch.testing.assert_close(out.tangent, o_t, rtol=0, atol=0)
 
 
-def test_c1_tangents_read_only_where_a_dual_level_exists(monkeypatch):
-    """Eagerly and outside torch.func, tangents are unpacked only while a forward-AD level
-    exists (host time): a level entered without the context manager still gives the fused
-    tangent, and plain calls before and after it read none."""
-    from flash_jvp import _function
-
+def test_c1_dual_level_entered_without_forward_ad_bookkeeping():
+    """A forward-AD level entered where ``forward_ad._current_level`` stays -1 still gives the
+    fused tangent: the level a Dynamo graph enters at run time around an
+    ``allow_in_graph`` call (backend="eager"), and one entered through torch._C. (961f4b7
+    skipped reading tangents when that counter said no level existed: None here.)"""
     q, k, v, tangents, _ = qkv(1, 2, 2, 32, 32, 16, dtype=torch.float32)
     _, o_t = torch.func.jvp(flash_jvp.attention, (q, k, v), tangents)
-    read = []
-    monkeypatch.setattr(_function, "tangent", lambda x, name=None: read.append(name))
-    flash_jvp.attention(q, k, v)
-    assert read == []
-    monkeypatch.undo()
-    fwAD.enter_dual_level()
+    attention = torch.compiler.allow_in_graph(flash_jvp.attention)
+
+    def step(q, k, v, q_t, k_t, v_t):
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(x, t) for x, t in ((q, q_t), (k, k_t), (v, v_t))]
+            return fwAD.unpack_dual(attention(*duals)).tangent
+
+    torch._dynamo.reset()
+    out = torch.compile(step, backend="eager", fullgraph=True)(q, k, v, *tangents)
+    assert out is not None
+    torch.testing.assert_close(out, o_t, rtol=0, atol=0)
+    level = torch._C._enter_dual_level()
     try:
-        duals = [fwAD.make_dual(x, t) for x, t in zip((q, k, v), tangents)]
-        out = fwAD.unpack_dual(flash_jvp.attention(*duals)).tangent
+        duals = [torch._make_dual(x, t, level) for x, t in zip((q, k, v), tangents)]
+        out = torch._unpack_dual(flash_jvp.attention(*duals), level).tangent
     finally:
-        fwAD.exit_dual_level()
+        torch._C._exit_dual_level(level)
+    assert out is not None
     torch.testing.assert_close(out, o_t, rtol=0, atol=0)
 
 

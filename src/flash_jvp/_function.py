@@ -36,7 +36,6 @@ from torch._C._functorch import (
 from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.pyfunctorch import dispatch_functorch
 from torch._functorch.utils import unwrap_dead_wrappers
-from torch.autograd import forward_ad
 
 from . import _library, reference
 from ._utils import Spec, no_autocast, tangent, tangent_bwd_outputs
@@ -145,18 +144,11 @@ def apply_below(top, fn, *args):
 
 
 def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    spec: Spec,
-    need_lse: bool = True,
-    eager: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: Spec, need_lse: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """o and lse of :class:`FlashAttnJVP` (arguments as the launchers take them), carrying
     o_t and mu (lse's tangent) as their tangents. ``need_lse=False``: the caller drops lse,
-    which a ``torch.func.jvp`` call then returns as None (no dual made for it). ``eager``:
-    called from Python, not from an op's kernel under a trace (see :func:`_tangents`).
+    which a ``torch.func.jvp`` call then returns as None (no dual made for it).
 
     When the innermost transform is a ``torch.func.jvp``, the Function is applied one level
     down and o, lse are made duals of the fused o_t, mu at the JVP's level here. That is what
@@ -169,7 +161,10 @@ def attention(
     if _nested_forward_ad(stack):
         with no_autocast(q.device):
             return reference.attention_spec(q, k, v, mask, spec)
-    tangents = _tangents(q, k, v, mask, spec, eager and not stack)
+    names = ("q", "k", "v") if spec.varlen else ("query", "key", "value")  # as the API's
+    tangents = [tangent(x, name) for x, name in zip((q, k, v), names)]
+    additive = mask is not None and mask.dtype != torch.bool
+    tangents.append(tangent(mask, "attn_mask") if additive else None)
     if not stack:
         if _needs_grad(q, k, v, mask, *tangents):
             return FlashAttnJVP.apply(q, k, v, mask, *tangents, spec)[:2]
@@ -187,21 +182,6 @@ def attention(
     plain = len(stack) == 1 and not _needs_grad(*args)  # the JVP alone
     out = apply_below(top, _launch_fwd if plain else FlashAttnJVP.apply, *args, spec)
     return _duals(out, need_lse, level)
-
-
-def _tangents(q, k, v, mask, spec: Spec, eager_no_transform: bool) -> list:
-    """The forward-mode tangents of q, k, v and an additive mask at dual level 0 (None where
-    absent). Eagerly and outside torch.func, duals exist only inside a level entered through
-    ``forward_ad`` (which keeps ``forward_ad._current_level``), so without one there are none
-    to unpack (~4 us of host time a call saved). Elsewhere (an op's kernel under a trace,
-    where a graph may enter a level without that bookkeeping) they are always read."""
-    if eager_no_transform and forward_ad._current_level < 0:
-        return [None] * 4
-    names = ("q", "k", "v") if spec.varlen else ("query", "key", "value")  # as the API's
-    tangents = [tangent(x, name) for x, name in zip((q, k, v), names)]
-    additive = mask is not None and mask.dtype != torch.bool
-    tangents.append(tangent(mask, "attn_mask") if additive else None)
-    return tangents
 
 
 def _launch_fwd(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec) -> tuple:

@@ -286,7 +286,7 @@ def _attend(
         return _library.attention(q, k, v, mask, spec)
     from . import _function  # imports functorch internals Dynamo must not trace
 
-    return _function.attention(q, k, v, mask, spec, need_lse, eager=True)
+    return _function.attention(q, k, v, mask, spec, need_lse)
 
 
 def supports(
