@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -91,6 +92,62 @@ def test_c1_dual_level_entered_without_forward_ad_bookkeeping():
         torch._C._exit_dual_level(level)
     assert out is not None
     torch.testing.assert_close(out, o_t, rtol=0, atol=0)
+
+
+def _entry_points():
+    """(name, fn, primals, tangents) for each public entry point, tangents on every float input."""
+    q, k, v, tangents, _ = qkv(1, 2, 2, 24, 20, 16, dtype=torch.float32)
+    mask = randn(1, 2, 24, 20)
+    yield "attention", lambda q, k, v: flash_jvp.attention(q, k, v), (q, k, v), tangents
+    yield (
+        "causal_gqa",
+        (lambda q, k, v: flash_jvp.attention(q, k, v, is_causal=True, enable_gqa=True)),
+        (q, k[:, :1], v[:, :1]),
+        (tangents[0], tangents[1][:, :1], tangents[2][:, :1]),
+    )
+    yield (
+        "additive_mask",
+        lambda q, k, v, m: flash_jvp.attention(q, k, v, m),
+        (q, k, v, mask),
+        (*tangents, randn(1, 2, 24, 20)),
+    )
+    yield ("with_lse", lambda q, k, v: flash_jvp.attention_with_lse(q, k, v), (q, k, v), tangents)
+    cu = torch.tensor([0, 5, 13, 20], dtype=torch.int32, device=q.device)
+    packed = [x[0].transpose(0, 1)[:20].contiguous() for x in (q, k, v, *tangents)]
+    yield (
+        "varlen",
+        lambda q, k, v: flash_jvp.varlen_attention(q, k, v, cu, cu, 12, 12, is_causal=True),
+        packed[:3],
+        packed[3:],
+    )
+
+
+def _traced(how, fn, primals):
+    if how == "compile":
+        torch._dynamo.reset()
+        return torch.compile(fn, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return torch.jit.trace(fn, tuple(primals), check_trace=False)
+
+
+@pytest.mark.parametrize("how", ["compile", "jit_trace"])
+@pytest.mark.parametrize("entry", list(_entry_points()), ids=lambda e: e[0])
+def test_c1_duals_into_a_graph_traced_for_inference(entry, how):
+    """Dual inputs into a graph traced with nothing requiring grad (AOTAutograd's inference
+    graph, torch.jit.trace) give eager's tangents: the graph keeps ``flash_jvp::attention``,
+    whose Autograd kernel reads them. (Before, the graph held ``attn_fwd``, whose custom_op
+    autograd ran it below autograd: no tangent, silently.)"""
+    _, fn, primals, tangents = entry
+    expected = torch.func.jvp(fn, tuple(primals), tuple(tangents))[1]
+    traced = _traced(how, fn, primals)
+    with fwAD.dual_level():
+        out = traced(*(fwAD.make_dual(x, t) for x, t in zip(primals, tangents)))
+        got = [fwAD.unpack_dual(o).tangent for o in (out if isinstance(out, tuple) else [out])]
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    assert all(t is not None for t in got), [t is None for t in got]
+    for name, t, e in zip(("o", "lse"), got, expected):
+        torch.testing.assert_close(t, e, rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_c1_cpu_without_interpreter_uses_the_fallback():

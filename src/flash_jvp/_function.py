@@ -113,6 +113,14 @@ def _needs_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def has_autograd_work(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """Whether ``flash_jvp::attention``'s Autograd kernel has anything to do: a torch.func
+    transform, an input needing a backward, or a forward-mode tangent."""
+    if torch._C._are_functorch_transforms_active() or _needs_grad(q, k, v, mask):
+        return True
+    return any(x is not None and tangent(x) is not None for x in (q, k, v, mask))
+
+
 def _nested_forward_ad(stack) -> bool:
     """Two or more torch.func forward-mode levels (jvp of jvp, jacfwd of jacfwd): the fused
     kernel gives only first-order tangents, so such calls take the PyTorch reference path.

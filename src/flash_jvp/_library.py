@@ -182,9 +182,16 @@ _LIB.define(
 )
 
 
-def _attention_autograd(q, k, v, mask, *spec):
+def _attention_autograd(keyset, q, k, v, mask, *spec):
     from . import _function
 
+    if not _function.has_autograd_work(q, k, v, mask):
+        # the op itself below autograd, so a graph traced for inference (AOTAutograd with
+        # nothing requiring grad, torch.jit.trace) records this op rather than attn_fwd: run on
+        # duals, that graph reaches this kernel again, which reads their tangents (attn_fwd's
+        # custom_op autograd would drop them silently)
+        after = keyset & torch._C._after_autograd_keyset
+        return torch.ops.flash_jvp.attention.default.redispatch(after, q, k, v, mask, *spec)
     # torch 2.11 masks PythonTLSSnapshot here, so that a fake-tensor call from inside this
     # kernel reaches the Python key with no TLS snapshot ("tls_on_entry.has_value() INTERNAL
     # ASSERT FAILED"); let our calls take their own snapshot, as calls from user code do.
@@ -214,7 +221,7 @@ def _attention_vmap(info, in_dims, q, k, v, mask, *spec):
     return outs, (0, 0)
 
 
-_LIB.impl("attention", _attention_autograd, "Autograd")
+_LIB.impl("attention", _attention_autograd, "Autograd", with_keyset=True)
 _LIB.impl("attention", _attention_below_autograd, "CompositeExplicitAutograd")
 torch.library.register_fake("flash_jvp::attention", _attention_fake, lib=_LIB)
 torch.library.register_vmap("flash_jvp::attention", _attention_vmap, lib=_LIB)

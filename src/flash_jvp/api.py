@@ -281,8 +281,10 @@ def _attend(
     opaque (its tangent logic runs where AOTAutograd traces, see _library.py); eagerly, the
     autograd.Functions directly: the same code, with every torch.func transform composing
     and without the dispatcher's host time."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        # traced (torch.compile; make_fx, as in torch.func.linearize or export): the op
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._get_tracing_state() is not None):  # fmt: skip
+        # traced (torch.compile; make_fx, as in torch.func.linearize or export; torch.jit):
+        # the op, whose graph then reads tangents where it runs (see _library.py)
         return _library.attention(q, k, v, mask, spec)
     from . import _function  # imports functorch internals Dynamo must not trace
 
