@@ -282,9 +282,10 @@ def _describable(x: Tensor) -> bool:
 
 
 def _tma(tiles: dict[str, int], *tensors: Tensor | None) -> bool:
-    """Whether the forward kernel can move every tile of ``tensors`` (q, k, v, o and the
-    tangents) through tensor descriptors (TMA; its config decides whether it does): Hopper,
-    fp16/bf16, single head-dim tiles, each tensor _describable."""
+    """Whether a kernel can move every tile of ``tensors`` (those it reads or writes through
+    descriptors: the forward's q, k, v, o and their tangents; the dQ kernel's k, v, k_t, v_t)
+    through tensor descriptors (TMA; its config decides whether it does): Hopper, fp16/bf16,
+    single head-dim tiles, each tensor _describable."""
     x = tensors[0]
     return (
         not tiles["HEAD_DIM_TAIL"]
@@ -574,12 +575,16 @@ def _bwd_launches(
     dmask_full, dmask_t_full = (
         None if m is None else m.expand(lay.B, lay.H, lay.Lq, lay.Lk) for m in (dmask, dmask_t)
     )
+    # the tiles of its key loop (absent ones stand in as k, v, never read)
+    tma = _tma(tiles, args["K"], args["V"], args["K_T"], args["V_T"])
     for split in _mask_splits(mask):
         _launch(
             attn_bwd_dq_kernel,
             lambda c: (_cdiv(lay.Lq, c.BLOCK_M), lay.B * lay.H),
             configs.bwd_dq(tile, q4.dtype, tangent),
-            ("dq", dmask is not None, dq_t4 is not None, dmask_t_full is not None, split) + key,
+            ("dq", dmask is not None, dq_t4 is not None, dmask_t_full is not None, split, tma)
+            + key,
+            lambda cfg: {"TMA": tma and cfg.tma},
             DQ=dq4, DMASK=_or(dmask_full, args["LSE"]), MASK_GRAD=dmask is not None,
             DQ_T=_or(dq_t4, dq4), DMASK_T=_or(dmask_t_full, args["LSE"]),
             GRAD_T=dq_t4 is not None, MASK_T_GRAD=dmask_t_full is not None,

@@ -56,12 +56,14 @@ from .common import (
     dot_split,
     key_range,
     load_mask,
+    load_rows,
     load_split,
     load_tile,
     mask_range,
     score_mask,
     seq_bounds,
     store_split,
+    tile_desc,
 )
 
 
@@ -584,6 +586,10 @@ def _attn_bwd_dq_inner(
     gamma,
     mu,
     offs_m,
+    k_desc,
+    v_desc,
+    k_t_desc,
+    v_t_desc,
     k_base,
     v_base,
     k_t_base,
@@ -639,14 +645,18 @@ def _attn_bwd_dq_inner(
     GRAD_T: tl.constexpr,
     MASK_T_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     TANGENT_S: tl.constexpr = TANGENT and (HAS_Q_T or HAS_K_T or HAS_MASK_T)
+    # Key rows from Lk on read as 0 (masked blocks only): the descriptors describe keys
+    # [0, Lk) only (see the caller), so only the pointer loads check rows.
+    CHECK_R: tl.constexpr = MASK and not TMA
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, k2 = load_split(k_base, offs_n, stride_kn, stride_kd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL,
-                           MASK)  # fmt: skip
-        v, v2 = load_split(v_base, offs_n, stride_vn, stride_vd, Lk, DV, HEAD_DIM_V,
-                           HEAD_DIM_V_TAIL, MASK)  # fmt: skip
+        k, k2 = load_rows(k_desc, k_base, start_n, offs_n, stride_kn, stride_kd, Lk, D, HEAD_DIM,
+                          HEAD_DIM_TAIL, CHECK_R, TMA)  # fmt: skip
+        v, v2 = load_rows(v_desc, v_base, start_n, offs_n, stride_vn, stride_vd, Lk, DV,
+                          HEAD_DIM_V, HEAD_DIM_V_TAIL, CHECK_R, TMA)  # fmt: skip
         qk = dot_split(q, q2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION) * qk_scale
         if MASK:
             keep = score_mask(offs_m, offs_n, Lk, causal_offset, IS_CAUSAL)
@@ -663,11 +673,12 @@ def _attn_bwd_dq_inner(
         k_t, k_t2 = k, k2
         if TANGENT:
             if HAS_K_T:
-                k_t, k_t2 = load_split(k_t_base, offs_n, stride_ktn, stride_ktd, Lk, D, HEAD_DIM,
-                                       HEAD_DIM_TAIL, MASK)  # fmt: skip
+                k_t, k_t2 = load_rows(k_t_desc, k_t_base, start_n, offs_n, stride_ktn, stride_ktd,
+                                      Lk, D, HEAD_DIM, HEAD_DIM_TAIL, CHECK_R, TMA)  # fmt: skip
             if HAS_DO_T and HAS_V_T:  # dP += G V_t^T
-                v_t, v_t2 = load_split(v_t_base, offs_n, stride_vtn, stride_vtd, Lk, DV,
-                                       HEAD_DIM_V, HEAD_DIM_V_TAIL, MASK)  # fmt: skip
+                v_t, v_t2 = load_rows(v_t_desc, v_t_base, start_n, offs_n, stride_vtn, stride_vtd,
+                                      Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL, CHECK_R,
+                                      TMA)  # fmt: skip
                 dp = dot_split(g, g2, v_t, v_t2, dp, HEAD_DIM_V_TAIL, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         ds_t = ds  # dS_t (unused without a tangent of the scores)
@@ -822,6 +833,7 @@ def attn_bwd_dq_kernel(
     MASK_T_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dq (and with MASK_GRAD the additive mask's gradient) for one [BLOCK_M] query block.
 
@@ -830,6 +842,10 @@ def attn_bwd_dq_kernel(
     dq_t (GRAD_T, where HAS_Q_T; strides stride_dqt*) and DMASK_T, the mask tangent's
     gradient (MASK_T_GRAD; like DMASK, strides stride_gt*): one more GEMM per tile, where
     the primal kernel with dO := dO_t would recompute P and dO_t V^T for them.
+    TMA: the key loop's tiles (k, v, k_t, v_t) come through tensor descriptors made here
+    (common.tile_desc), one per query head (and packed sequence), instead of pointer loads,
+    which hold address registers per element: single head-dim tiles, those tensors and their
+    strides 16-byte aligned with unit column stride (the launcher checks).
     """
     stride_qm, stride_dom = aligned(stride_qm, STRIDE_ALIGN), aligned(stride_dom, STRIDE_ALIGN)
     stride_kn, stride_vn = aligned(stride_kn, STRIDE_ALIGN), aligned(stride_vn, STRIDE_ALIGN)
@@ -891,20 +907,33 @@ def attn_bwd_dq_kernel(
     )  # fmt: skip
     if run == 0:
         return
+    # Descriptors of keys [0, k_bound) (a mask's key range ends there, else the keys do): the
+    # copy engine zero-fills the rest, as the pointer loads' row check does. Absent tensors'
+    # descriptors: the primal's, never read.
+    k_desc, v_desc, k_t_desc, v_t_desc = k_base, v_base, k_t_base, v_t_base
+    if TMA:
+        k_desc = tile_desc(k_base, k_bound, stride_kn, D, BLOCK_N, HEAD_DIM)
+        v_desc = tile_desc(v_base, k_bound, stride_vn, DV, BLOCK_N, HEAD_DIM_V)
+        k_t_desc, v_t_desc = k_desc, v_desc
+        if TANGENT and HAS_K_T:
+            k_t_desc = tile_desc(k_t_base, k_bound, stride_ktn, D, BLOCK_N, HEAD_DIM)
+        if TANGENT and HAS_DO_T and HAS_V_T:
+            v_t_desc = tile_desc(v_t_base, k_bound, stride_vtn, DV, BLOCK_N, HEAD_DIM_V)
     full_end, end = key_range(start_m, k_bound, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for stage in tl.static_range(2):  # unmasked key blocks first
         s_lo = lo if stage == 0 else tl.maximum(lo, full_end)
         s_hi = tl.minimum(full_end, hi) if stage == 0 else tl.minimum(end, hi)
         dq, dq2, dq_t, dq_t2 = _attn_bwd_dq_inner(
             dq, dq2, dq_t, dq_t2, q, q2, q_t, q_t2, do, do2, g, g2, lse, delta, gamma, mu,
-            offs_m, k_base, v_base, k_t_base, v_t_base, mask_base, mask_t_base, dmask_base,
+            offs_m, k_desc, v_desc, k_t_desc, v_t_desc, k_base, v_base, k_t_base, v_t_base,
+            mask_base, mask_t_base, dmask_base,
             dmask_t_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_ktn, stride_ktd,
             stride_vtn, stride_vtd, stride_mm, stride_mn, stride_mtm, stride_mtn, stride_gm,
             stride_gn, stride_gtm, stride_gtn, s_lo, s_hi, Lq, k_bound, causal_offset, qk_scale,
             scale, mask_min, D, DV, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, HEAD_DIM_V_TAIL, BLOCK_N,
             stage == 1, IS_CAUSAL, LOOP_MASK_KIND, MASK_SAME_ROWS, MASK_SAME_COLS, MASK_GRAD,
             HAS_DO, TANGENT, HAS_DO_T, HAS_Q_T, HAS_K_T, HAS_V_T, HAS_MASK_T, GRAD_T,
-            MASK_T_GRAD, DOT_PRECISION,
+            MASK_T_GRAD, DOT_PRECISION, TMA,
         )  # fmt: skip
 
     dq_ty = DQ.dtype.element_ty

@@ -97,11 +97,11 @@ def tile_desc(base, n_rows, stride_r, N_COLS: tl.constexpr, ROWS: tl.constexpr, 
 
 
 @triton.jit
-def load_keys(
+def load_rows(
     desc,
     base,
-    start_n,
-    offs_n,
+    start,
+    offs,
     stride_r,
     stride_c,
     n_rows,
@@ -111,19 +111,20 @@ def load_keys(
     CHECK_R: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """load_split of key rows offs_n = start_n + arange; with TMA through ``desc`` (see
+    """load_split of the rows offs = start + arange of a [rows, N_COLS] matrix (keys in the
+    forward and dQ kernels, query rows in the dK/dV kernel); with TMA through ``desc`` (see
     tile_desc; single tiles only) instead. Either way rows from n_rows on (with CHECK_R)
-    and columns past N_COLS read as 0: the copy engine zero-fills past the key rows, and
-    rows between n_rows (the end of a mask's key range) and there are zeroed here, so
-    values there (NaN in padding) never meet a zero weight. Past the key rows alone no
-    check is needed with TMA (the caller then leaves CHECK_R off)."""
+    and columns past N_COLS read as 0: the copy engine zero-fills past the matrix's rows,
+    and rows between n_rows (the end of a mask's range) and there are zeroed here, so
+    values there (NaN in padding) never meet a zero weight. Past the matrix alone no check
+    is needed with TMA (the caller then leaves CHECK_R off)."""
     if TMA:
-        a = desc.load([start_n, 0])
+        a = desc.load([start, 0])
         if CHECK_R:
-            a = tl.where(offs_n[:, None] < n_rows, a, 0.0)
+            a = tl.where(offs[:, None] < n_rows, a, 0.0)
         b = a
     else:
-        a, b = load_split(base, offs_n, stride_r, stride_c, n_rows, N_COLS, HEAD, TAIL, CHECK_R)
+        a, b = load_split(base, offs, stride_r, stride_c, n_rows, N_COLS, HEAD, TAIL, CHECK_R)
     return a, b
 
 

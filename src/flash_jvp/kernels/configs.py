@@ -29,9 +29,11 @@ class Config:
     # sits just above an occupancy step (e.g. 8 warps at > 128 registers: 1 block per SM).
     maxnreg: int | None = None
     # Move tiles through tensor descriptors (TMA) where the launcher can describe the tensors
-    # (Hopper, one head-dim tile; see _ops._tma); forward kernel only.
+    # (Hopper, one head-dim tile; see _ops._tma): the forward's tiles, the dQ kernel's
+    # key-side ones (k, v, k_t, v_t).
     tma: bool = False
-    # With tma: Triton's warp specialisation of the key loop (a producer warp for the loads).
+    # With tma: Triton's warp specialisation of the key loop (a producer warp for the loads);
+    # forward kernel only.
     ws: bool = False
 
     def kwargs(self) -> dict[str, int]:
@@ -63,12 +65,17 @@ _BEST = {
         "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3), 96: Config(128, 64, 8, 3),
         128: Config(128, 64, 8, 2, tma=True), 256: Config(64, 32, 4, 1),
     },
+    # bwd_dq(+t) tma at E=64 (issue 23): descriptors free the address registers of the key
+    # tiles; the dQ kernels of the backward through the tangent took 10 % less time on an
+    # H100 (results/2026-12-06-h100-tangent-bwd-kernels-*). Not at E=128 (the TANGENT dQ
+    # kernel spills more with them) nor in the dK/dV kernels (-1 to -3 %: their registers
+    # hold accumulators and key-side tiles, not addresses).
     "bwd_dkdv": {
         "fp32": Config(16, 32, 4, 1), 64: Config(32, 128, 4, 3), 96: Config(32, 64, 4, 3),
         128: Config(32, 64, 4, 3), 256: Config(32, 64, 4, 1),
     },
     "bwd_dq": {
-        "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3, maxnreg=128),
+        "fp32": Config(32, 16, 4, 1), 64: Config(128, 64, 8, 3, maxnreg=128, tma=True),
         96: Config(64, 64, 4, 3), 128: Config(64, 64, 4, 2), 256: Config(64, 32, 4, 2),
     },
     # The TANGENT kernels (the backward through the tangent: dk, dv / dq and dq_t of it; dk_t
@@ -81,7 +88,7 @@ _BEST = {
         128: Config(32, 128, 8, 2), 256: Config(16, 64, 8, 1),
     },
     "bwd_dq+t": {
-        "fp32": Config(16, 16, 8, 1), 64: Config(64, 64, 4, 2), 96: Config(128, 64, 8, 2),
+        "fp32": Config(16, 16, 8, 1), 64: Config(64, 64, 4, 2, tma=True), 96: Config(128, 64, 8, 2),
         128: Config(128, 32, 8, 2), 256: Config(32, 32, 8, 1),
     },
 }  # fmt: skip

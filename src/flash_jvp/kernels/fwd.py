@@ -37,8 +37,8 @@ from .common import (
     block_range,
     dot_split,
     key_range,
-    load_keys,
     load_mask,
+    load_rows,
     load_split,
     score_mask,
     seq_bounds,
@@ -152,7 +152,7 @@ def _attn_fwd_inner(
     # loads and consumer warps doing the products and softmax (sm_90; descriptors only)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, k2 = load_keys(k_desc, k_base, start_n, offs_n, stride_kn, stride_kd,
+        k, k2 = load_rows(k_desc, k_base, start_n, offs_n, stride_kn, stride_kd,
                           Lk, D, HEAD_DIM, HEAD_DIM_TAIL, CHECK_R, TMA)  # fmt: skip
         qk = dot_split(q, q2, k, k2, None, HEAD_DIM_TAIL, DOT_PRECISION)
         if MASK == 2 and not IS_CAUSAL:  # keys past Lk as a bias in the scaling's FMA
@@ -181,21 +181,21 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v, v2 = load_keys(v_desc, v_base, start_n, offs_n, stride_vn, stride_vd,
+        v, v2 = load_rows(v_desc, v_base, start_n, offs_n, stride_vn, stride_vd,
                           Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL, CHECK_R, TMA)  # fmt: skip
         # V_t is loaded here, beside V, not next to its product: loaded there, its tail tile
         # (head dims such as 72: 8 of 16 columns) came out wrong, nondeterministic or as an
         # illegal shared-memory read on sm_90 with Triton 3.6 (benchmarks/NOTES.md)
         v_t, v_t2 = v, v2
         if HAS_V_T:
-            v_t, v_t2 = load_keys(v_t_desc, v_t_base, start_n, offs_n,
+            v_t, v_t2 = load_rows(v_t_desc, v_t_base, start_n, offs_n,
                                   stride_vtn, stride_vtd, Lk, DV, HEAD_DIM_V, HEAD_DIM_V_TAIL,
                                   CHECK_R, TMA)  # fmt: skip
         p_s_t = p  # P o (S_t - mu) and the move of mu, with a tangent of the scores
         d_mu = alpha
         if TANGENT_S:
             if HAS_K_T:
-                k_t, k_t2 = load_keys(k_t_desc, k_t_base, start_n, offs_n,
+                k_t, k_t2 = load_rows(k_t_desc, k_t_base, start_n, offs_n,
                                       stride_ktn, stride_ktd, Lk, D, HEAD_DIM, HEAD_DIM_TAIL,
                                       CHECK_R, TMA)  # fmt: skip
             if HAS_Q_T:
