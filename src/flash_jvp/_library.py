@@ -8,15 +8,19 @@ Four ops:
   for the cotangents of o and (optionally) lse.
 * ``flash_jvp::attn_bwd_tangent`` — the backward through o and its tangent o_t (reverse mode
   through a JVP; double backward): the gradients of q, k, v, their tangents and the mask.
-* ``flash_jvp::attention`` — what ``flash_jvp.attention`` calls while torch.compile traces:
-  o and lse of q, k, v (and a mask). Its Autograd kernel is
-  :func:`flash_jvp._function.traced_attention`, which reads the forward-mode tangents of its
-  inputs and runs the autograd.Functions whose forward/backward call the two ops above; below
-  autograd (inference mode) it is ``attn_fwd``'s o. Eagerly, ``flash_jvp.attention`` calls
-  those Functions directly (``flash_jvp.api._attend``): the same code, without the dispatcher
-  in between, and with every torch.func transform (inside an op's kernel functorch has masked
-  the dispatch key its autograd.Function support needs, so there only ``torch.func.jvp``
-  works).
+* ``flash_jvp::attention`` — what ``flash_jvp.attention`` calls while torch.compile,
+  torch.jit.trace or a dispatch mode traces: o and lse of q, k, v (and a mask). Its Autograd
+  kernel is :func:`flash_jvp._function.traced_attention`, which reads the forward-mode
+  tangents of its inputs and runs the autograd.Functions whose forward/backward call the two
+  ops above; where that kernel has nothing to do (no transform, nothing needing grad, no
+  tangent) it redispatches the op below autograd, so a graph traced for inference records
+  ``flash_jvp::attention`` itself and a run of that graph on dual tensors reaches the Autograd
+  kernel again (a recorded ``attn_fwd`` would drop their tangents: its custom_op autograd
+  runs it below autograd); below autograd it is ``attn_fwd``'s o. Eagerly,
+  ``flash_jvp.attention`` calls those Functions directly (``flash_jvp.api._attend``): the same
+  code, without the dispatcher in between, and with every torch.func transform (inside an
+  op's kernel functorch has masked the dispatch key its autograd.Function support needs, so
+  there only ``torch.func.jvp`` works).
 
 Why this split: torch.library has no forward-mode (JVP) registration, and a ``custom_op``
 with only ``register_autograd`` returns a zero tangent under ``torch.func.jvp`` without any
@@ -204,7 +208,7 @@ def _attention_autograd(keyset, q, k, v, mask, *spec):
 
 
 def _attention_below_autograd(q, k, v, mask, *spec):
-    o, _, lse, _ = attn_fwd(q, k, v, None, None, None, mask, None, *spec)
+    o, _, lse, _ = fwd(q, k, v, None, None, None, mask, None, spec_of(*spec))
     return o, lse
 
 
