@@ -66,10 +66,10 @@ _BEST = {
         128: Config(128, 64, 8, 2, tma=True), 256: Config(64, 32, 4, 1),
     },
     # bwd_dq(+t) tma at E=64 (issue 23): descriptors free the address registers of the key
-    # tiles; the dQ kernels of the backward through the tangent took 10 % less time on an
-    # H100 (results/2026-12-06-h100-tangent-bwd-kernels-*). Not at E=128 (the TANGENT dQ
-    # kernel spills more with them) nor in the dK/dV kernels (-1 to -3 %: their registers
-    # hold accumulators and key-side tiles, not addresses).
+    # tiles; on an H100 the primal backward took 2-4 % less time with them, the backward
+    # through the tangent 0-3 % (results/2026-12-06-h100-tangent-bwd-b2ffccd.md). Not at
+    # E=128 (the TANGENT dQ kernel spills more with them) nor in the dK/dV kernels (-1 to
+    # -3 %: their registers hold accumulators and key-side tiles, not addresses).
     "bwd_dkdv": {
         "fp32": Config(16, 32, 4, 1), 64: Config(32, 128, 4, 3), 96: Config(32, 64, 4, 3),
         128: Config(32, 64, 4, 3), 256: Config(32, 64, 4, 1),
