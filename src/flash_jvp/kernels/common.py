@@ -111,8 +111,8 @@ def load_rows(
     CHECK_R: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """load_split of the rows offs = start + arange of a [rows, N_COLS] matrix (keys in the
-    forward and dQ kernels, query rows in the dK/dV kernel); with TMA through ``desc`` (see
+    """load_split of the rows offs = start + arange of a [rows, N_COLS] matrix (the key-side
+    tiles of the forward and dQ kernels); with TMA through ``desc`` (see
     tile_desc; single tiles only) instead. Either way rows from n_rows on (with CHECK_R)
     and columns past N_COLS read as 0: the copy engine zero-fills past the matrix's rows,
     and rows between n_rows (the end of a mask's range) and there are zeroed here, so
