@@ -150,6 +150,54 @@ def test_c1_duals_into_a_graph_traced_for_inference(entry, how):
         torch.testing.assert_close(t, e, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def _vmapped_entry_points():
+    """(name, fn, primals, tangents, in_dims): entry points vmapped over a leading dim of 2
+    (a mask and its tangent shared), and the gradient of a loss through attention."""
+    q, k, v, tangents, _ = qkv(2, 2, 2, 24, 20, 16)
+    q, k, v, *tangents = (x.unsqueeze(1) for x in (q, k, v, *tangents))  # (2, 1, H, L, E)
+    mask, mask_t = randn(1, 2, 24, 20), randn(1, 2, 24, 20)
+    yield "attention", lambda q, k, v: flash_jvp.attention(q, k, v), (q, k, v), tangents, 0
+    yield (
+        "additive_mask",
+        lambda q, k, v, m: flash_jvp.attention(q, k, v, m),
+        (q, k, v, mask),
+        (*tangents, mask_t),
+        (0, 0, 0, None),
+    )
+    yield "with_lse", lambda q, k, v: flash_jvp.attention_with_lse(q, k, v), (q, k, v), tangents, 0
+    loss = lambda q, k, v: flash_jvp.attention(q, k, v).square().sum()  # noqa: E731
+    yield "grad", torch.func.grad(loss, argnums=(0, 1, 2)), (q, k, v), tangents, 0
+
+
+@pytest.mark.parametrize("graph_break", [False, True], ids=["", "graph_break"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("entry", list(_vmapped_entry_points()), ids=lambda e: e[0])
+def test_c1_vmap_of_a_compiled_function_on_duals(entry, backend, graph_break):
+    """``vmap`` of a compiled function (not fullgraph) called on dual tensors gives the
+    uncompiled call's tangents. (Before, Dynamo compiled our Functions' vmap rule as a frame
+    of its own after the graph break and traced it without the jvp: no tangent, silently.)"""
+    _, fn, primals, tangents, in_dims = entry
+
+    def body(*args):
+        if graph_break:
+            torch._dynamo.graph_break()
+        return fn(*args)
+
+    def tangents_of(f):
+        with fwAD.dual_level():
+            out = torch.func.vmap(f, in_dims)(*map(fwAD.make_dual, primals, tangents))
+            out = out if isinstance(out, tuple) else (out,)
+            return [fwAD.unpack_dual(o).tangent for o in out]
+
+    expected = tangents_of(body)
+    torch._dynamo.reset()
+    got = tangents_of(torch.compile(body, backend=backend))
+    assert all(t is not None for t in expected)
+    assert all(t is not None for t in got), [t is None for t in got]
+    for i, (t, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(t, e, rtol=1e-5, atol=1e-5, msg=f"output {i}")
+
+
 def test_c1_cpu_without_interpreter_uses_the_fallback():
     """CPU tensors without TRITON_INTERPRET run the documented PyTorch path (no compile trace)."""
     code = (

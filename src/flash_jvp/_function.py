@@ -93,6 +93,16 @@ def _jvp_result(ctx, o_t: Tensor, mu: Tensor) -> tuple[Tensor, ...]:
     return o_t, mu, _zero_tangent(o_t), _zero_tangent(mu)
 
 
+def _eager_vmap(rule):
+    """A Function's ``vmap`` rule that Dynamo never compiles. Where a compiled function
+    graph-breaks, its frames run eagerly and Dynamo tries each frame they call; under vmap it
+    compiled this rule, tracing our Function's ``apply`` on fake tensors without its ``jvp``,
+    so dual inputs lost their tangent (``tests/test_compile.py::test_vmap_of_compiled_on_duals``).
+    functorch calls the rule eagerly, also under a compiled ``vmap`` (Dynamo folds the op's
+    own vmap rule, ``vmap_attention``, instead)."""
+    return torch.compiler.disable(rule)
+
+
 class _Function(torch.autograd.Function):
     """An autograd.Function whose ``apply`` takes positional arguments only: what
     ``Function.apply`` does, less its per-call ``inspect.signature`` binding of default
@@ -312,6 +322,7 @@ class FlashAttnJVP(_Function):
         return grads[0], grads[1], grads[2], dmask, None, None, None, None, None
 
     @staticmethod
+    @_eager_vmap
     def vmap(info, in_dims, *args):
         size = info.batch_size
         q, k, v, mask, q_t, k_t, v_t, mask_t, spec = args
@@ -408,6 +419,7 @@ class AttnBackward(_Function):
         return o_t, dq, dk, dv, None, None, dmask, d_dlse, None, None
 
     @staticmethod
+    @_eager_vmap
     def vmap(info, in_dims, *args):
         size = info.batch_size
         do, q, k, v, o, lse, mask, dlse, spec, mask_grad = args
@@ -506,6 +518,7 @@ class AttnTangentBackward(_Function):
         raise NotImplementedError(_THIRD_ORDER)
 
     @staticmethod
+    @_eager_vmap
     def vmap(info, in_dims, *args):
         *tensors, spec, flags = args
         _no_varlen_vmap(spec)
