@@ -97,9 +97,10 @@ def _eager_vmap(rule):
     """A Function's ``vmap`` rule that Dynamo never compiles. Where a compiled function
     graph-breaks, its frames run eagerly and Dynamo tries each frame they call; under vmap it
     compiled this rule, tracing our Function's ``apply`` on fake tensors without its ``jvp``,
-    so dual inputs lost their tangent (``tests/test_compile.py::test_vmap_of_compiled_on_duals``).
-    functorch calls the rule eagerly, also under a compiled ``vmap`` (Dynamo folds the op's
-    own vmap rule, ``vmap_attention``, instead)."""
+    so dual inputs lost their tangent
+    (``tests/test_cases.py::test_c1_vmap_of_a_compiled_function_on_duals``). functorch calls
+    the rule eagerly, also under a compiled ``vmap`` (Dynamo folds the op's own vmap rule,
+    ``vmap_attention``, instead)."""
     return torch.compiler.disable(rule)
 
 
