@@ -150,23 +150,33 @@ def test_c1_duals_into_a_graph_traced_for_inference(entry, how):
         torch.testing.assert_close(t, e, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def _lse64(q, k, v):
+    """(o, lse) in plain float64 ops: attention_with_lse's reference."""
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    return math_sdpa(q, k, v), torch.logsumexp(s, -1)
+
+
 def _vmapped_entry_points():
-    """(name, fn, primals, tangents, in_dims): entry points vmapped over a leading dim of 2
-    (a mask and its tangent shared), and the gradient of a loss through attention."""
+    """(name, fn, its plain-op reference, primals, tangents, in_dims): entry points vmapped
+    over a leading dim of 2 (a mask and its tangent shared), and the gradient of a loss."""
     q, k, v, tangents, _ = qkv(2, 2, 2, 24, 20, 16)
     q, k, v, *tangents = (x.unsqueeze(1) for x in (q, k, v, *tangents))  # (2, 1, H, L, E)
     mask, mask_t = randn(1, 2, 24, 20), randn(1, 2, 24, 20)
-    yield "attention", lambda q, k, v: flash_jvp.attention(q, k, v), (q, k, v), tangents, 0
+    qkv_args = ((q, k, v), tangents, 0)
+    yield "attention", flash_jvp.attention, math_sdpa, *qkv_args
     yield (
         "additive_mask",
         lambda q, k, v, m: flash_jvp.attention(q, k, v, m),
+        lambda q, k, v, m: math_sdpa(q, k, v, attn_mask=m),
         (q, k, v, mask),
         (*tangents, mask_t),
         (0, 0, 0, None),
     )
-    yield "with_lse", lambda q, k, v: flash_jvp.attention_with_lse(q, k, v), (q, k, v), tangents, 0
+    yield "with_lse", flash_jvp.attention_with_lse, _lse64, *qkv_args
     loss = lambda q, k, v: flash_jvp.attention(q, k, v).square().sum()  # noqa: E731
-    yield "grad", torch.func.grad(loss, argnums=(0, 1, 2)), (q, k, v), tangents, 0
+    loss64 = lambda q, k, v: math_sdpa(q, k, v).square().sum()  # noqa: E731
+    grads = (torch.func.grad(f, argnums=(0, 1, 2)) for f in (loss, loss64))
+    yield "grad", *grads, *qkv_args
 
 
 @pytest.mark.parametrize("graph_break", [False, True], ids=["", "graph_break"])
@@ -174,27 +184,31 @@ def _vmapped_entry_points():
 @pytest.mark.parametrize("entry", list(_vmapped_entry_points()), ids=lambda e: e[0])
 def test_c1_vmap_of_a_compiled_function_on_duals(entry, backend, graph_break):
     """``vmap`` of a compiled function (not fullgraph) called on dual tensors gives the
-    uncompiled call's tangents. (Before, Dynamo compiled our Functions' vmap rule as a frame
-    of its own after the graph break and traced it without the jvp: no tangent, silently.)"""
-    _, fn, primals, tangents, in_dims = entry
+    uncompiled call's tangents, which match plain float64 ops. (Before, Dynamo compiled our
+    Functions' vmap rule as a frame of its own after the graph break and traced it without
+    the jvp: no tangent, silently.)"""
+    _, fn, ref, primals, tangents, in_dims = entry
 
     def body(*args):
         if graph_break:
             torch._dynamo.graph_break()
         return fn(*args)
 
-    def tangents_of(f):
+    def tangents_of(f, primals, tangents):
         with fwAD.dual_level():
             out = torch.func.vmap(f, in_dims)(*map(fwAD.make_dual, primals, tangents))
             out = out if isinstance(out, tuple) else (out,)
             return [fwAD.unpack_dual(o).tangent for o in out]
 
-    expected = tangents_of(body)
-    torch._dynamo.reset()
-    got = tangents_of(torch.compile(body, backend=backend))
+    expected = tangents_of(body, primals, tangents)
     assert all(t is not None for t in expected)
+    float64 = tangents_of(ref, _to64(*primals), _to64(*tangents))
+    for i, (e, r) in enumerate(zip(expected, float64, strict=True)):
+        assert_close_rel(f"eager tangent {i}", e, r, 1e-5)
+    torch._dynamo.reset()
+    got = tangents_of(torch.compile(body, backend=backend), primals, tangents)
     assert all(t is not None for t in got), [t is None for t in got]
-    for i, (t, e) in enumerate(zip(got, expected)):
+    for i, (t, e) in enumerate(zip(got, expected, strict=True)):
         torch.testing.assert_close(t, e, rtol=1e-5, atol=1e-5, msg=f"output {i}")
 
 
