@@ -212,6 +212,54 @@ def test_c1_vmap_of_a_compiled_function_on_duals(entry, backend, graph_break):
         torch.testing.assert_close(t, e, rtol=1e-5, atol=1e-5, msg=f"output {i}")
 
 
+def _frozen_block():
+    """A block of flash_jvp.nn layers (weights frozen: duals into a compiled function with
+    trainable weights raise torch's NotImplementedError) and attention, on (B, H, L, E), and
+    the same block in plain float64 ops."""
+    from flash_jvp import nn as fnn
+
+    norm, act, lin = fnn.LayerNorm(16), fnn.GELU(), fnn.Linear(16, 16)
+    for m in (norm, lin):
+        m.to(DEVICE).requires_grad_(False)
+
+    def block64(q, k, v):
+        w, b = norm.weight.double(), norm.bias.double()
+        x = F.gelu(F.layer_norm(math_sdpa(q, k, v), (16,), w, b, norm.eps))
+        return F.linear(x, lin.weight.double(), lin.bias.double())
+
+    return lambda q, k, v: lin(act(norm(flash_jvp.attention(q, k, v)))), block64
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["attention", "nn_block"])
+def test_c1_duals_after_a_vmapped_call_of_a_compiled_function(block):
+    """A compiled function (aot_eager) called first under vmap, then on plain dual tensors,
+    and a second compiled function after it, give the uncompiled call's tangent, which
+    matches plain float64 ops. (Before, the vmapped call left our frames marked as skipped
+    and Dynamo then compiled our eager helpers as frames of their own, where
+    torch._make_dual and torch._unpack_dual lose the tangent: no tangent, silently, or an
+    error inside Triton's interpreter.)"""
+    fn, ref = _frozen_block() if block else (flash_jvp.attention, math_sdpa)
+    q, k, v, tangents, _ = qkv(2, 2, 2, 24, 20, 16)
+    q, k, v, *tangents = (x.unsqueeze(1) for x in (q, k, v, *tangents))  # (2, 1, H, L, E)
+
+    def tangent_of(f, args, tans):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(f(*map(fwAD.make_dual, args, tans))).tangent
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager")
+    batched = tangent_of(torch.func.vmap(compiled), (q, k, v), tangents)
+    torch.testing.assert_close(batched, tangent_of(torch.func.vmap(fn), (q, k, v), tangents))
+    one = (q[0], k[0], v[0]), [t[0] for t in tangents]
+    expected = tangent_of(fn, *one)
+    float64 = tangent_of(ref, *(_to64(*x) for x in one))
+    assert_close_rel("uncompiled tangent", expected, float64, 1e-5)
+    for f in (compiled, torch.compile(lambda *a: fn(*a) * 2, backend="aot_eager")):
+        got = tangent_of(f, *one)
+        assert got is not None
+        torch.testing.assert_close(got, expected * (1 if f is compiled else 2))
+
+
 def test_c1_cpu_without_interpreter_uses_the_fallback():
     """CPU tensors without TRITON_INTERPRET run the documented PyTorch path (no compile trace)."""
     code = (

@@ -93,15 +93,16 @@ def _jvp_result(ctx, o_t: Tensor, mu: Tensor) -> tuple[Tensor, ...]:
     return o_t, mu, _zero_tangent(o_t), _zero_tangent(mu)
 
 
-def _eager_vmap(rule):
-    """A Function's ``vmap`` rule that Dynamo never compiles. Where a compiled function
-    graph-breaks, its frames run eagerly and Dynamo tries each frame they call; under vmap it
-    compiled this rule, tracing our Function's ``apply`` on fake tensors without its ``jvp``,
-    so dual inputs lost their tangent
-    (``tests/test_cases.py::test_c1_vmap_of_a_compiled_function_on_duals``). functorch calls
-    the rule eagerly, also under a compiled ``vmap`` (Dynamo folds the op's own vmap rule,
-    ``vmap_attention``, instead)."""
-    return torch.compiler.disable(rule)
+def eager_only(fn):
+    """``fn``, which Dynamo never compiles, nor any frame it calls: our eager paths (the
+    Functions' vmap rules, :data:`eager_attention`, the fused layers' ``nn.*._fused``). Where a
+    compiled function graph-breaks, its frames run eagerly and Dynamo tries each frame they
+    call as a graph of its own; traced on fake tensors, ours lost their forward-mode tangents
+    silently (under vmap it compiled ``FlashAttnJVP.vmap``, whose ``apply`` traced without the
+    jvp; after such a call, ``_duals``, whose ``torch._make_dual`` AOTAutograd drops).
+    ``tests/test_cases.py::test_c1_vmap_of_a_compiled_function_on_duals`` and
+    ``::test_c1_duals_after_a_vmapped_call_of_a_compiled_function``. Costs ~0.5 us a call."""
+    return torch.compiler.disable(fn)
 
 
 class _Function(torch.autograd.Function):
@@ -201,6 +202,10 @@ def attention(
     plain = len(stack) == 1 and not _needs_grad(*args)  # the JVP alone
     out = apply_below(top, _launch_fwd if plain else FlashAttnJVP.apply, *args, spec)
     return _duals(out, need_lse, level)
+
+
+# api's eager calls (the op's Autograd kernel, traced_attention, calls attention itself)
+eager_attention = eager_only(attention)
 
 
 def _launch_fwd(q, k, v, mask, q_t, k_t, v_t, mask_t, spec: Spec) -> tuple:
@@ -323,7 +328,7 @@ class FlashAttnJVP(_Function):
         return grads[0], grads[1], grads[2], dmask, None, None, None, None, None
 
     @staticmethod
-    @_eager_vmap
+    @eager_only
     def vmap(info, in_dims, *args):
         size = info.batch_size
         q, k, v, mask, q_t, k_t, v_t, mask_t, spec = args
@@ -420,7 +425,7 @@ class AttnBackward(_Function):
         return o_t, dq, dk, dv, None, None, dmask, d_dlse, None, None
 
     @staticmethod
-    @_eager_vmap
+    @eager_only
     def vmap(info, in_dims, *args):
         size = info.batch_size
         do, q, k, v, o, lse, mask, dlse, spec, mask_grad = args
@@ -519,7 +524,7 @@ class AttnTangentBackward(_Function):
         raise NotImplementedError(_THIRD_ORDER)
 
     @staticmethod
-    @_eager_vmap
+    @eager_only
     def vmap(info, in_dims, *args):
         *tensors, spec, flags = args
         _no_varlen_vmap(spec)

@@ -288,7 +288,7 @@ def _attend(
         return _library.attention(q, k, v, mask, spec)
     from . import _function  # imports functorch internals Dynamo must not trace
 
-    return _function.attention(q, k, v, mask, spec, need_lse)
+    return _function.eager_attention(q, k, v, mask, spec, need_lse)
 
 
 def supports(

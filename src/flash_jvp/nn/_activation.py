@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _plans
-from .._function import _Function
+from .._function import _Function, eager_only
 from .._utils import HAS_TRITON, kernel_dtypes, tangent, uses_kernels
 from ._dual import dual_apply, fusable_context, reference_vjp
 from ._norm import on_device
@@ -30,6 +30,12 @@ def activation(x: Tensor, kind: str) -> Tensor:
     if not (HAS_TRITON and x.numel() and uses_kernels(x.device) and fusable_context()
             and x.dtype in kernel_dtypes(x.device)):  # fmt: skip
         return reference(x, kind)
+    return _fused(x, kind)
+
+
+@eager_only
+def _fused(x: Tensor, kind: str) -> Tensor:
+    """:func:`activation` where the fused Function may run (eager: ``_function.eager_only``)."""
     x_t = tangent(x)
     if x_t is not None and x_t.dtype != x.dtype:
         return reference(x, kind)

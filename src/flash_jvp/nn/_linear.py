@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._function import _Function
+from .._function import _Function, eager_only
 from .._utils import tangent
 from ._dual import dual_apply, fusable_context, reference_vjp
 
@@ -35,6 +35,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     tensors = [t for t in (x, weight, bias) if t is not None]
     if not fusable_context() or not all(isinstance(t, Tensor) for t in tensors):
         return F.linear(x, weight, bias)  # torch's path (and its errors)
+    return _fused(x, weight, bias, tensors)
+
+
+@eager_only
+def _fused(x: Tensor, weight: Tensor, bias: Tensor | None, tensors: list[Tensor]) -> Tensor:
+    """:func:`linear` where the fused Function may run (eager: see ``_function.eager_only``)."""
     x_t = tangent(x)
     if x_t is None and not torch._C._functorch.peek_interpreter_stack():
         return F.linear(x, weight, bias)

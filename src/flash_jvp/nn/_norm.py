@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _plans
-from .._function import _Function
+from .._function import _Function, eager_only
 from .._utils import HAS_TRITON, kernel_dtypes, no_autocast, tangent, uses_kernels
 from ._dual import dual_apply, fusable_context, reference_vjp
 
@@ -128,8 +128,13 @@ def norm(x, weight, bias, shift, scale, rms: bool, eps: float, dims: int) -> Ten
     k = group_dims(x, mods) if dims == 1 else None
     if k is None or not _fusable(x, weight, bias, mods, dtype):
         return reference(x, weight, bias, shift, scale, rms, eps, dims, dtype)
-    lead = tuple(x.shape[:k])
-    spec = NormSpec(rms, float(eps), dtype, lead)
+    return _fused(x, weight, bias, shift, scale, rms, eps, dims, dtype, k)
+
+
+@eager_only
+def _fused(x, weight, bias, shift, scale, rms: bool, eps: float, dims: int, dtype, k: int):
+    """:func:`norm` where the fused Function may run (eager: see ``_function.eager_only``)."""
+    spec = NormSpec(rms, float(eps), dtype, tuple(x.shape[:k]))
     tangents = [tangent(x), tangent(shift), tangent(scale)]
     if (tangent(weight) is not None or tangent(bias) is not None
             or any(t is not None and t.dtype != p.dtype

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import _plans
-from .._function import _Function
+from .._function import _Function, eager_only
 from .._utils import HAS_TRITON, kernel_dtypes, tangent, uses_kernels
 from ._dual import dual_apply, fusable_context
 from ._norm import (
@@ -33,6 +33,14 @@ def gated_residual(x: Tensor, gate: Tensor, y: Tensor) -> Tensor:
             or any(t.dtype not in kernel_dtypes(x.device) or t.device != x.device
                    for t in tensors)):  # fmt: skip
         return reference(x, gate, y, dtype)
+    return _fused(x, gate, y, k, dtype)
+
+
+@eager_only
+def _fused(x: Tensor, gate: Tensor, y: Tensor, k: int, dtype: torch.dtype) -> Tensor:
+    """:func:`gated_residual` where the fused Function may run (eager: see
+    ``_function.eager_only``)."""
+    tensors = (x, gate, y)
     tangents = [tangent(t) for t in tensors]
     if any(t is not None and t.dtype != p.dtype for t, p in zip(tangents, tensors)):
         return reference(x, gate, y, dtype)
