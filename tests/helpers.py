@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import pytest
 import torch
 
@@ -18,6 +21,20 @@ needs_kernels = pytest.mark.skipif(
     not _utils.uses_kernels(torch.device(DEVICE)),
     reason="a property of the Triton kernels; the CPU fallback (no TRITON_INTERPRET) differs",
 )
+
+
+@contextlib.contextmanager
+def dispatch_keys_kept():
+    """The calling thread's dispatch keys as they were on entry, on exit; the garbage made
+    inside is collected before. Some of torch's own failures leave a reference cycle that
+    holds a dispatch-key guard (torch 2.13 CPU: a compiled torch.func.jvp through
+    F.layer_norm, with no flash_jvp in the model); collected, in any thread and at any later
+    time, it sets the creating thread's keys to those inside the failed transform, and later
+    calls there hit torch's internal asserts (a later test failed at random in CI's worker)."""
+    keys = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(*keys):
+        yield
+        gc.collect()
 
 
 def slow_if(condition: bool) -> tuple:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from helpers import CUDA, DEVICE, assert_close_rel, randn
+from helpers import CUDA, DEVICE, assert_close_rel, dispatch_keys_kept, randn
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
@@ -437,7 +437,8 @@ def test_layer_norm_under_compiled_jvp_same_as_without_flash_jvp(backend, path):
         model = Block(norm=nn.LayerNorm, attention=attention).to(DEVICE)
         fn = torch.compile(lambda x, x_t, m=model: torch.func.jvp(m, (x,), (x_t,)),
                            backend=backend)  # fmt: skip
-        result, error = _outcome(fn, x, x_t)
+        with dispatch_keys_kept():  # torch's failure here leaves such garbage
+            result, error = _outcome(fn, x, x_t)
         if error is None:
             assert_close_rel("y_t", result[1], torch.func.jvp(model, (x,), (x_t,))[1], 1e-5)
         outcomes.append(error)
