@@ -35,14 +35,14 @@ enqueued back to back, so host time the GPU waits for counts); peak GiB
 (``torch.cuda.max_memory_allocated`` from the row's start: weights, gradients and
 activations); GPU-busy ms (torch.profiler, one step: the sum of the durations of all CUDA
 kernels, memcpys and memsets) and the attention kernels' part of it. Attention kernels: a
-kernel whose name matches ``KERNEL_RE`` (flash_jvp's Triton kernels ``attn_fwd_kernel``,
-``attn_bwd_*``, ``mask_ranges_kernel``; torch's flash/efficient/cuDNN SDPA kernels), wherever
-it was launched, or one launched inside an op matching ``OP_RE`` or below one (``aten::bmm``,
-the softmax ops with the ops of their JVP formulas, their backward nodes, SDPA ops; not the
-cross-entropy's log-softmax, not the linear layers' GEMMs). Graph-replayed kernels have no
-launching op, so for ``plain graph`` the share is not reported. The plain path's elementwise
-work outside those ops (the scale, the causal mask, GQA's repeat_interleave) counts as
-non-attention, so its share is a lower bound.
+kernel whose name matches ``KERNEL_RE`` (flash_jvp's kernels ``attn_fwd_kernel``,
+``attn_fwd_hopper_kernel``, ``attn_bwd_*``, ``mask_ranges_kernel``; torch's flash/efficient/
+cuDNN SDPA kernels), wherever it was launched, or one launched inside an op matching
+``OP_RE`` or below one (``aten::bmm``, the softmax ops with the ops of their JVP formulas,
+their backward nodes, SDPA ops; not the cross-entropy's log-softmax, not the linear layers'
+GEMMs). Graph-replayed kernels have no launching op, so for ``plain graph`` the share is not
+reported. The plain path's elementwise work outside those ops (the scale, the causal mask,
+GQA's repeat_interleave) counts as non-attention, so its share is a lower bound.
 
 Rows that fail (out of memory, compile errors, a CUDA graph whose loss differs from the eager
 step's) are recorded and the run goes on; JSON and markdown are rewritten after every row.
@@ -81,7 +81,7 @@ from flash_jvp._env import environment
 
 GIB = 2**30
 KERNEL_RE = re.compile(
-    r"attn_fwd_kernel|attn_bwd_|mask_ranges_kernel"  # flash_jvp
+    r"attn_fwd_kernel|attn_fwd_hopper_kernel|attn_bwd_|mask_ranges_kernel"  # flash_jvp
     r"|flash_fwd|flash_bwd|fmha|cudnn|sdpa"  # torch SDPA backends
 )
 OP_RE = re.compile(

@@ -58,6 +58,7 @@ def tma_seen(monkeypatch) -> list[tuple[bool, bool, bool]]:
 
     monkeypatch.setattr(configs, "_candidates", forced)
     monkeypatch.setattr(_ops, "_CHOSEN", {})  # no config chosen outside this test
+    monkeypatch.setattr(configs, "HOPPER", {})  # the Gluon forward: tests/test_hopper.py
     seen: list[tuple[bool, bool, bool]] = []
     launch = _ops._launch
 

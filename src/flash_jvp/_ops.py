@@ -13,14 +13,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.errors import OutOfResources
 
 from . import _plans
-from ._utils import MAX_GRID_Y, Spec, tangent_bwd_outputs, tangent_bwd_runs
+from ._utils import INTERPRET, MAX_GRID_Y, Spec, tangent_bwd_outputs, tangent_bwd_runs
 from .kernels import configs
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .kernels.configs import Config
 from .kernels.fwd import attn_fwd_kernel
+from .kernels.fwd_hopper import HALF_M, attn_fwd_hopper_kernel
 from .kernels.mask_ranges import mask_ranges_kernel
 
 Tensor = torch.Tensor
@@ -339,6 +342,10 @@ def attn_fwd(
     q4, k4, v4, o4, q_t4, k_t4, v_t4, o_t4 = (
         _view(x, spec, lay.B) for x in (q, k, v, o, q_t, k_t, v_t, o_t)
     )
+    hopper = _hopper(lay, spec, mask, mask_t, (q4, k4, v4, q_t4, k_t4, v_t4))
+    if hopper is not None:
+        _attn_fwd_hopper(q4, k4, v4, q_t4, k_t4, v_t4, o4, o_t4, lse, mu, lay, spec, *hopper)
+        return o, o_t, lse, mu
     width, short = _tile_width(tiles), lay.Lk <= configs.SHORT_LK
     tma = _tma(tiles, q4, k4, v4, o4, q_t4, k_t4, v_t4, o_t4)
     # the warp-specialised loop: one per kernel, no attn_mask loads, no varlen; lse and mu
@@ -371,6 +378,67 @@ def attn_fwd(
             **args,
         )
     return o, o_t, lse, mu
+
+
+def _hopper(
+    lay: _Layout, spec: Spec, mask: Tensor | None, mask_t: Tensor | None, views: tuple
+) -> tuple[int, int] | None:
+    """(BLOCK_N, STAGES) of the Gluon warp-specialised forward (kernels/fwd_hopper.py) for
+    these (B, H, L, E) views of q, k, v, q_t, k_t, v_t, or None where it does not run (its
+    scope: that module's docstring) or is not measured faster (configs.HOPPER)."""
+    q, tangents = views[0], views[3:]
+    if any(t is None for t in tangents) and any(t is not None for t in tangents):
+        return None  # some tangents only: the Triton forward skips the missing ones' products
+    chosen = configs.HOPPER.get((tangents[0] is not None, lay.D))
+    if (
+        chosen is None
+        or mask is not None
+        or mask_t is not None
+        or spec.varlen
+        or lay.DV != lay.D
+        or lay.Lk <= configs.HOPPER_MIN_LK
+        or lay.B * lay.H > MAX_GRID_Y
+        or INTERPRET
+        or q.dtype not in (torch.float16, torch.bfloat16)
+        or not _tma_capable(q.device)
+        or not all(_describable(x) for x in views if x is not None)
+    ):
+        return None
+    return chosen
+
+
+def _descriptor(x: Tensor, rows: int) -> TensorDescriptor:
+    """A rank-4 TMA descriptor over a _describable (B, H, L, E) view, blocks of [1, 1, rows, E].
+    A size-1 dim's stride (never multiplied by more than 0) is replaced by an aligned one."""
+    strides = list(x.stride())
+    for d in (2, 1, 0):
+        if x.shape[d] == 1:
+            strides[d] = x.shape[d + 1] * strides[d + 1]
+    block = [1, 1, rows, x.shape[3]]
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(x, list(x.shape), strides, block, layout)
+
+
+def _attn_fwd_hopper(q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, lay: _Layout, spec: Spec,
+                     block_n: int, stages: int) -> None:  # fmt: skip
+    """Launch kernels/fwd_hopper.py on (B, H, L, E) views (the tangents all given or none).
+    Host descriptors hold the tensors' addresses, which a launch plan cannot swap: unplanned."""
+    _plans.unplannable()
+    tangent = q_t is not None
+    rows = HALF_M.value  # each consumer's query rows
+    # absent tangents' descriptors: the primal's, never read (TANGENT is compile-time)
+    tiles = (q, k, v, q_t, k_t, v_t) if tangent else (q, k, v) * 2
+    descs = [_descriptor(x, rows if i % 3 == 0 else block_n) for i, x in enumerate(tiles)]
+    o_t, mu = _or(o_t, o), _or(mu, lse)
+    grid = (_cdiv(lay.Lq, 2 * rows), lay.B * lay.H)
+    attn_fwd_hopper_kernel[grid](
+        *descs, o, o_t, lse, mu, *o.stride()[:3], *o_t.stride()[:3],
+        *_lse_strides(lse, spec).values(), spec.scale, spec.causal_offset or 0,
+        lay.H, lay.H // lay.H_KV, lay.Lq, lay.Lk,
+        HEAD_DIM=lay.D, BLOCK_N=block_n, STAGES=stages,
+        IS_CAUSAL=spec.causal_offset is not None, TANGENT=tangent, num_warps=4,
+    )  # fmt: skip
 
 
 def _or(x: Tensor | None, default: Tensor) -> Tensor:

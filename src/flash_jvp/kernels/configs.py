@@ -111,6 +111,15 @@ _WARP_SPECIALISED = {
     True: {"fwd+jvp": {128: Config(128, 64, 4, 2, tma=True, ws=True)}},
 }
 
+# The Gluon warp-specialised forward (kernels/fwd_hopper.py, see _ops._hopper): (tangent,
+# HEAD_DIM) -> (BLOCK_N, STAGES) of every variant that compiles for sm_90 without spills
+# (fwd+JVP at E=128 spills 240 bytes at BLOCK_N 64), and HOPPER, those routed to it: the
+# ones measured faster than the Triton forward above (benchmarks/hopper_fwd.py).
+HOPPER_COMPILED = {(False, 64): (128, 2), (False, 128): (128, 2), (True, 64): (64, 3)}
+HOPPER = dict(HOPPER_COMPILED)
+# Only past this many keys: a program's fixed cost (barriers, partitions) weighs on short rows.
+HOPPER_MIN_LK = SHORT_LK
+
 
 def bucket(width: int, dtype: torch.dtype) -> int | str:
     """The _BEST key of a kernel whose widest tile row has ``width`` columns."""
