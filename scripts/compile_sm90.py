@@ -3,7 +3,7 @@ for a set of problems; report registers, spill stack, shared memory, and two sig
 ptxas takes as divergent (R2UR moves to uniform registers, WARPSYNC). Catches compile errors,
 spills and register steps before a device run.
 
-    python scripts/compile_sm90.py [--quick]
+    python scripts/compile_sm90.py [--quick] [--hopper]
 
 The launchers in flash_jvp._ops run on empty CPU tensors with every launch recorded instead of
 run; each recorded launch is compiled with the specialisation Triton's launcher would give it
@@ -21,12 +21,15 @@ import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from flash_jvp import _ops
 from flash_jvp._utils import Spec
-from flash_jvp.kernels import ws_barriers
+from flash_jvp.kernels import configs, ws_barriers
+from flash_jvp.kernels.fwd_hopper import HALF_M, attn_fwd_hopper_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes per block on H100/H200
@@ -93,11 +96,11 @@ def compile_launch(kernel, cfg, args) -> str:
 _REPORTS: dict[tuple, str] = {}
 
 
-def _compile_report(kernel, sig, consts, attrs, options) -> str:
+def _compile_report(kernel, sig, consts, attrs, options, source=ASTSource) -> str:
     try:
         # as _plans.launch compiles it: without Triton < 3.8's unused barriers
         with ws_barriers.compile_hook((kernel.fn.__name__,)):
-            compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=TARGET,
+            compiled = triton.compile(source(kernel, sig, consts, attrs), target=TARGET,
                                       options=options)  # fmt: skip
     except Exception as err:  # noqa: BLE001 - report and go on
         return f"ERROR {type(err).__name__}: {str(err).splitlines()[-1][:200]}"
@@ -117,6 +120,33 @@ def _compile_report(kernel, sig, consts, attrs, options) -> str:
         flags += " MBARRIER-REINIT"
     return (f"regs {regs:3d} stack {stack:5d} smem {smem:6d} R2UR {sass.count('R2UR'):3d} "
             f"WARPSYNC {sass.count('WARPSYNC')}{flags}")  # fmt: skip
+
+
+def hopper_reports() -> list[tuple[str, str]]:
+    """(label, report) of every Gluon forward variant (configs.HOPPER_COMPILED, causal or
+    not), compiled with the rank-4 host descriptors _ops._attn_fwd_hopper passes."""
+    x = torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16)
+    names = ("q_desc", "k_desc", "v_desc", "qt_desc", "kt_desc", "vt_desc")
+    pointers = {"O": "*bf16", "O_T": "*bf16", "LSE": "*fp32", "MU": "*fp32", "scale": "fp32"}
+    out = []
+    for (tangent, e), (block_n, stages) in configs.HOPPER_COMPILED.items():
+        for causal in (False, True):
+            descs = [_ops._descriptor(x[..., :e], HALF_M.value if i % 3 == 0 else block_n)
+                     for i in range(6)]  # fmt: skip
+            consts = dict(HEAD_DIM=e, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
+                          TANGENT=tangent)  # fmt: skip
+            sig = {}
+            for p in attn_fwd_hopper_kernel.params:
+                if p.name in names:
+                    desc = descs[names.index(p.name)]
+                    sig[p.name] = native_specialize_impl(BaseBackend, desc, False, True, True)[0]
+                else:
+                    sig[p.name] = "constexpr" if p.is_constexpr else pointers.get(p.name, "i32")
+            res = _compile_report(attn_fwd_hopper_kernel, sig, consts, {}, {"num_warps": 4},
+                                  GluonASTSource)  # fmt: skip
+            label = f"E{e:3d} fwd_hopper{'+jvp' if tangent else ''}{' causal' if causal else ''}"
+            out.append((f"{label:24} BLOCK_N {block_n} stages {stages}", res))
+    return out
 
 
 def problems(E: int, dtype: torch.dtype, tangent: bool = False):
@@ -181,7 +211,14 @@ def main():
         action="store_true",
         help="the backward through the tangent (reverse mode through o_t)",
     )
+    parser.add_argument(
+        "--hopper", action="store_true", help="the Gluon forward's variants (kernels/fwd_hopper.py)"
+    )
     args = parser.parse_args()
+    if args.hopper:
+        for label, res in hopper_reports():
+            print(f"bfloat16 {label}: {res}", flush=True)
+        return
     dims = args.dims or ((64, 128) if args.quick else (16, 64, 72, 80, 96, 128, 160, 256))
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
     for dtype in dtypes:
