@@ -24,19 +24,23 @@ import sys
 
 import torch
 
-from flash_jvp import _check, attention, bench
+from flash_jvp import _check, _ops, attention, bench
 from flash_jvp._env import environment
 from flash_jvp.kernels import configs
 
 
 @contextlib.contextmanager
 def route(gluon: bool):
+    """Every compiled variant routed to the Gluon forward, or none; launch plans made under
+    the other routing are dropped (_ops.forget_configs)."""
     saved = configs.HOPPER
     configs.HOPPER = configs.HOPPER_COMPILED if gluon else {}
+    _ops.forget_configs()
     try:
         yield
     finally:
         configs.HOPPER = saved
+        _ops.forget_configs()
 
 
 def _run(mode: str, s: bench.Shape):

@@ -29,8 +29,10 @@ pytestmark = [
 
 @pytest.fixture
 def hopper_seen(monkeypatch) -> list[tuple[bool, int]]:
-    """(tangent, HEAD_DIM) of every launch of the Gluon forward, every offered entry on."""
+    """(tangent, HEAD_DIM) of every launch of the Gluon forward, every offered entry on
+    (and no launch plan made under other routes replayed: see _ops.forget_configs)."""
     monkeypatch.setattr(configs, "HOPPER", configs.HOPPER_COMPILED)
+    monkeypatch.setattr(_ops, "_CHOSEN", {})
     seen: list[tuple[bool, int]] = []
     launch = _ops._attn_fwd_hopper
 

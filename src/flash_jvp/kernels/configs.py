@@ -120,6 +120,7 @@ HOPPER_COMPILED = {(False, 64): (128, 2), (False, 128): (128, 2), (True, 64): (6
 # (results/2026-12-07-h100-hopper-fwd-3748fe9.md), but a route chosen by alignment gives
 # other bits than the Triton forward for unaligned or strided inputs (tests/test_cases.py
 # C7, C10 failed with routes on), and the slow tier and `check` have not run with them.
+# Changed at run time, it needs _ops.forget_configs(): launch plans do not see it.
 HOPPER: dict[tuple[bool, int], tuple[int, int]] = {}
 # Only past this many keys: a program's fixed cost (barriers, partitions) weighs on short rows.
 HOPPER_MIN_LK = SHORT_LK
