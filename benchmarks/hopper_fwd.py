@@ -2,7 +2,7 @@
 (kernels/fwd.py), side by side in one run on Hopper: which (tangent, HEAD_DIM) configs.HOPPER
 should route to it.
 
-    python benchmarks/hopper_fwd.py --out benchmarks/results [--lengths 1024 4096 8192]
+    python benchmarks/hopper_fwd.py --out benchmarks/results [--lengths 1024 4096 8192] [--sweep]
 
 Rows per shape (bf16, B=4, H=16 at E=64 and 8 at E=128, as ``flash_jvp.bench``; causal and
 not): ``fwd`` and ``fwd+jvp`` (torch.func.jvp, every tangent present), each through the Gluon
@@ -10,7 +10,8 @@ forward (every entry kernels/fwd_hopper.py compiles without spills routed to it)
 the Triton forward (configs.HOPPER emptied), plus cuDNN SDPA's forward. ``diff``: the relative
 difference of the two routes' o (and o_t) in float64 (both are checked against float64 in
 tests/test_hopper.py). Times: medians of triton.testing.do_bench (``flash_jvp.bench``).
-Writes ``<date>-<gpu>-hopper-fwd.{json,md}`` under --out.
+Writes ``<date>-<gpu>-hopper-fwd.{json,md}`` under --out; with --sweep, the times of each
+(BLOCK_N, STAGES) of CANDIDATES against the Triton forward (``-hopper-fwd-sweep``).
 """
 
 from __future__ import annotations
@@ -28,13 +29,22 @@ from flash_jvp import _check, _ops, attention, bench
 from flash_jvp._env import environment
 from flash_jvp.kernels import configs
 
+# --sweep: (tangent, HEAD_DIM) -> (BLOCK_N, STAGES) candidates, each compiled for sm_90 without
+# spills and within shared memory (scripts/compile_sm90.py's hopper_reports)
+CANDIDATES = {
+    (False, 64): [(128, 2), (64, 3), (64, 4)],
+    (False, 128): [(128, 2), (128, 3), (64, 3)],
+    (True, 64): [(64, 3), (64, 2), (64, 4), (128, 2)],
+}
+
 
 @contextlib.contextmanager
-def route(gluon: bool):
-    """Every compiled variant routed to the Gluon forward, or none; launch plans made under
-    the other routing are dropped (_ops.forget_configs)."""
+def route(gluon: bool | dict):
+    """Every compiled variant routed to the Gluon forward (True), none (False) or those of a
+    dict like configs.HOPPER; launch plans made under another routing are dropped
+    (_ops.forget_configs)."""
     saved = configs.HOPPER
-    configs.HOPPER = configs.HOPPER_COMPILED if gluon else {}
+    configs.HOPPER = gluon if isinstance(gluon, dict) else configs.HOPPER_COMPILED if gluon else {}
     _ops.forget_configs()
     try:
         yield
@@ -61,14 +71,43 @@ def _diff(mode: str, s: bench.Shape) -> float:
     return max(_check.rel_err(a, b.double()) for a, b in zip(*outs))
 
 
+def sweep(lengths: list[int]) -> tuple[list[dict], list[str]]:
+    """Each CANDIDATES entry against the Triton forward (both routes' ms, same run)."""
+    rows = []
+    lines = ["| E | L | causal | mode | BLOCK_N | stages | gluon ms | triton ms | triton / gluon |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for (tangent, E), candidates in CANDIDATES.items():
+        mode = "fwd+jvp" if tangent else "fwd"
+        for L in lengths:
+            for causal in (False, True):
+                s = bench.Shape(4, 16 if E == 64 else 8, L, E, causal)
+                with route(False):
+                    triton_ms = bench._measure(lambda s, m=mode: _run(m, s), s)[0]
+                for block_n, stages in candidates:
+                    with route({(tangent, E): (block_n, stages)}):
+                        ms = bench._measure(lambda s, m=mode: _run(m, s), s)[0]
+                    rows.append(dict(E=E, L=L, causal=causal, mode=mode, block_n=block_n,
+                                     stages=stages, gluon_ms=ms, triton_ms=triton_ms))  # fmt: skip
+                    speedup = triton_ms / ms
+                    lines.append(f"| {E} | {L} | {causal} | {mode} | {block_n} | {stages} "
+                                 f"| {ms:.3f} | {triton_ms:.3f} | {speedup:.3f} |")  # fmt: skip
+                    print(lines[-1], flush=True)
+    return rows, lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--sweep", action="store_true",
+                        help="time each (BLOCK_N, stages) of CANDIDATES instead")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("needs a Hopper GPU", file=sys.stderr)
         return 1
+    if args.sweep:
+        rows, lines = sweep(args.lengths)
+        return _write(args.out, "hopper-fwd-sweep", rows, lines)
     rows = []
     lines = ["| E | L | causal | mode | gluon ms | triton ms | triton / gluon | gluon TFLOP/s "
              "| cuDNN fwd ms | diff |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -95,12 +134,17 @@ def main() -> int:
                         f"| {row['diff']:.1e} |"
                     )
                     print(lines[-1], flush=True)
+    return _write(args.out, "hopper-fwd", rows, lines)
+
+
+def _write(out: str, name: str, rows: list[dict], lines: list[str]) -> int:
+    """``<date>-<gpu>-<name>.{json,md}`` under ``out``."""
     meta = {"date": dt.date.today().isoformat(), **environment()}
-    stem = f"{meta['date']}-{meta['gpu'].split()[1].lower()}-hopper-fwd"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, stem + ".json"), "w") as f:
+    stem = f"{meta['date']}-{meta['gpu'].split()[1].lower()}-{name}"
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
+    with open(os.path.join(out, stem + ".md"), "w") as f:
         f.write(f"# Gluon forward vs Triton forward\n\n{json.dumps(meta)}\n\n")
         f.write("\n".join(lines) + "\n")
     return 0

@@ -401,15 +401,18 @@ def _hopper(
         or INTERPRET
         or q.dtype not in (torch.float16, torch.bfloat16)
         or not _tma_capable(q.device)
-        or not all(_describable(x) for x in views if x is not None)
     ):
         return None
     return chosen
 
 
 def _descriptor(x: Tensor, rows: int) -> TensorDescriptor:
-    """A rank-4 TMA descriptor over a _describable (B, H, L, E) view, blocks of [1, 1, rows, E].
-    A size-1 dim's stride (never multiplied by more than 0) is replaced by an aligned one."""
+    """A rank-4 TMA descriptor over a (B, H, L, E) view, blocks of [1, 1, rows, E]; a view TMA
+    cannot describe (not _describable) is copied first, so the route and the bits do not
+    depend on alignment. A size-1 dim's stride (never multiplied by more than 0) is replaced
+    by an aligned one."""
+    if not _describable(x):
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
     strides = list(x.stride())
     for d in (2, 1, 0):
         if x.shape[d] == 1:

@@ -115,13 +115,14 @@ _WARP_SPECIALISED = {
 # HEAD_DIM) -> (BLOCK_N, STAGES) of every variant that compiles for sm_90 without spills
 # (fwd+JVP at E=128 spills 240 bytes at BLOCK_N 64); tests/test_hopper.py runs them all.
 HOPPER_COMPILED = {(False, 64): (128, 2), (False, 128): (128, 2), (True, 64): (64, 3)}
-# Those routed to it. None yet: on an H100 the primal at E=128 ran 1.02-1.13x the Triton
-# forward's speed, fwd+JVP at E=64 0.97-1.30x, the primal at E=64 0.86-0.92x
-# (results/2026-12-07-h100-hopper-fwd-3748fe9.md), but a route chosen by alignment gives
-# other bits than the Triton forward for unaligned or strided inputs (tests/test_cases.py
-# C7, C10 failed with routes on), and the slow tier and `check` have not run with them.
-# Changed at run time, it needs _ops.forget_configs(): launch plans do not see it.
-HOPPER: dict[tuple[bool, int], tuple[int, int]] = {}
+# Those routed to it: on an H100 the primal at E=128 ran 1.02-1.13x the Triton forward's
+# speed, fwd+JVP at E=64 0.97-1.30x; the primal at E=64 0.86-0.92x, so it is not routed
+# (results/2026-12-07-h100-hopper-fwd-3748fe9.md). Inputs TMA cannot describe are copied
+# first (_ops._descriptor), so aligned and unaligned twins give the same bits (test_cases C7,
+# C10). Changed at run time, it needs _ops.forget_configs(): launch plans do not see it.
+HOPPER: dict[tuple[bool, int], tuple[int, int]] = {
+    k: HOPPER_COMPILED[k] for k in [(False, 128), (True, 64)]
+}
 # Only past this many keys: a program's fixed cost (barriers, partitions) weighs on short rows.
 HOPPER_MIN_LK = SHORT_LK
 
