@@ -114,7 +114,7 @@ _WARP_SPECIALISED = {
 # The Gluon warp-specialised forward (kernels/fwd_hopper.py, see _ops._hopper): (tangent,
 # HEAD_DIM) -> (BLOCK_N, STAGES) of every variant that compiles for sm_90 without spills
 # (fwd+JVP at E=128 spills 240 bytes at BLOCK_N 64); tests/test_hopper.py runs them all.
-HOPPER_COMPILED = {(False, 64): (128, 2), (False, 128): (128, 2), (True, 64): (64, 3)}
+HOPPER_COMPILED = {(False, 64): (128, 2), (False, 128): (128, 2), (True, 64): (128, 2)}
 # Those routed to it: on an H100 the primal at E=128 ran 1.02-1.13x the Triton forward's
 # speed, fwd+JVP at E=64 0.97-1.30x; the primal at E=64 0.86-0.92x, so it is not routed
 # (results/2026-12-07-h100-hopper-fwd-3748fe9.md). Inputs TMA cannot describe are copied
