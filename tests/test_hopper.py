@@ -20,6 +20,7 @@ import flash_jvp
 from flash_jvp import _ops
 from flash_jvp._utils import Spec
 from flash_jvp.kernels import configs
+from flash_jvp.reference import math_sdpa
 
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [
@@ -135,6 +136,37 @@ def test_poisoned_inputs(hopper_seen, tangent, layout):
         if a is not None:
             assert not a.isnan().any()
             assert torch.equal(a, b)
+
+
+def _broadcast(fn, dim: int, n: int):
+    """fn with k and v expanded along ``dim`` to ``n`` inside it: a stride of 0 there."""
+
+    def expanded(q, k, v, **kw):
+        shape = [-1] * 4
+        shape[dim] = n
+        return fn(q, k.expand(*shape), v.expand(*shape), **kw)
+
+    return expanded
+
+
+@pytest.mark.parametrize("layout", ["batch_broadcast", "head_broadcast", "tangent_layouts"])
+def test_layouts(hopper_seen, layout):
+    """k and v expanded over the batch or the heads (stride 0), or tangents laid out unlike
+    their primals (strided, 2 bytes off): right against float64 through the Gluon forward,
+    one key past configs.HOPPER_MIN_LK."""
+    B, H, L, E = 2, 4, configs.HOPPER_MIN_LK + 1, 64
+    q, k, v, tangents, do = qkv(B, H, H, L, L, E, dtype=torch.bfloat16)
+    fn, ref_fn = flash_jvp.attention, math_sdpa
+    if layout == "tangent_layouts":
+        tangents = (_bhle(tangents[0]), _poisoned(tangents[1], "strided"),
+                    _poisoned(tangents[2], "unaligned"))  # fmt: skip
+    else:
+        dim = 0 if layout == "batch_broadcast" else 1
+        k, v = k.narrow(dim, 0, 1), v.narrow(dim, 0, 1)
+        tangents = (tangents[0], *(t.narrow(dim, 0, 1) for t in tangents[1:]))
+        fn, ref_fn = _broadcast(fn, dim, (B, H)[dim]), _broadcast(ref_fn, dim, (B, H)[dim])
+    assert_matches_reference(fn, q, k, v, tangents, do, ref_fn=ref_fn, is_causal=True)
+    assert set(hopper_seen) == {(False, E), (True, E)}
 
 
 def test_lse_against_float64(hopper_seen):
