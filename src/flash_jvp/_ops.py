@@ -409,9 +409,11 @@ def _hopper(
 def _descriptor(x: Tensor, rows: int) -> TensorDescriptor:
     """A rank-4 TMA descriptor over a (B, H, L, E) view, blocks of [1, 1, rows, E]; a view TMA
     cannot describe (not _describable) is copied first, so the route and the bits do not
-    depend on alignment. A size-1 dim's stride (never multiplied by more than 0) is replaced
-    by an aligned one."""
-    if not _describable(x):
+    depend on alignment. So is an expanded one (a stride of 0 over more than one entry):
+    that the driver's host-side encoding accepts it has not been measured. A size-1 dim's
+    stride (never multiplied by more than 0) is replaced by an aligned one."""
+    expanded = any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape))
+    if expanded or not _describable(x):
         x = x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
     strides = list(x.stride())
     for d in (2, 1, 0):
