@@ -11,7 +11,7 @@ the Triton forward (configs.HOPPER emptied), plus cuDNN SDPA's forward. ``diff``
 difference of the two routes' o (and o_t) in float64 (both are checked against float64 in
 tests/test_hopper.py). Times: medians of triton.testing.do_bench (``flash_jvp.bench``).
 Writes ``<date>-<gpu>-hopper-fwd.{json,md}`` under --out; with --sweep, the times of each
-(BLOCK_N, STAGES) of CANDIDATES against the Triton forward (``-hopper-fwd-sweep``).
+(BLOCK_N, STAGES, O_TMA) of CANDIDATES against the Triton forward (``-hopper-fwd-sweep``).
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ from flash_jvp import _check, _ops, attention, bench
 from flash_jvp._env import environment
 from flash_jvp.kernels import configs
 
-# --sweep: (tangent, HEAD_DIM) -> (BLOCK_N, STAGES) candidates, each compiled for sm_90 without
-# spills and within shared memory (scripts/compile_sm90.py's hopper_reports)
+# --sweep: (tangent, HEAD_DIM) -> (BLOCK_N, STAGES, O_TMA) candidates, each compiled for sm_90
+# without spills and within shared memory (scripts/compile_sm90.py's hopper_reports) but
+# fwd+JVP E=128 at BLOCK_N 64 (8 bytes of stack when causal)
 CANDIDATES = {
-    (False, 64): [(128, 2), (64, 3), (64, 4)],
-    (False, 128): [(128, 2), (128, 3), (64, 3)],
-    (True, 64): [(64, 3), (64, 2), (64, 4), (128, 2)],
+    (False, 64): [(128, 2, False), (64, 3, False), (128, 2, True)],
+    (False, 128): [(128, 2, False), (128, 3, False), (128, 2, True)],
+    (True, 64): [(128, 2, False), (64, 3, False), (128, 2, True)],
+    (True, 128): [(32, 3, True), (32, 4, True), (32, 2, True), (64, 2, True)],
 }
 
 
@@ -74,8 +76,8 @@ def _diff(mode: str, s: bench.Shape) -> float:
 def sweep(lengths: list[int]) -> tuple[list[dict], list[str]]:
     """Each CANDIDATES entry against the Triton forward (both routes' ms, same run)."""
     rows = []
-    lines = ["| E | L | causal | mode | BLOCK_N | stages | gluon ms | triton ms | triton / gluon |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| E | L | causal | mode | BLOCK_N | stages | o_tma | gluon ms | triton ms "
+             "| triton / gluon |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for (tangent, E), candidates in CANDIDATES.items():
         mode = "fwd+jvp" if tangent else "fwd"
         for L in lengths:
@@ -83,14 +85,15 @@ def sweep(lengths: list[int]) -> tuple[list[dict], list[str]]:
                 s = bench.Shape(4, 16 if E == 64 else 8, L, E, causal)
                 with route(False):
                     triton_ms = bench._measure(lambda s, m=mode: _run(m, s), s)[0]
-                for block_n, stages in candidates:
-                    with route({(tangent, E): (block_n, stages)}):
+                for block_n, stages, o_tma in candidates:
+                    with route({(tangent, E): (block_n, stages, o_tma)}):
                         ms = bench._measure(lambda s, m=mode: _run(m, s), s)[0]
                     rows.append(dict(E=E, L=L, causal=causal, mode=mode, block_n=block_n,
-                                     stages=stages, gluon_ms=ms, triton_ms=triton_ms))  # fmt: skip
-                    speedup = triton_ms / ms
-                    lines.append(f"| {E} | {L} | {causal} | {mode} | {block_n} | {stages} "
-                                 f"| {ms:.3f} | {triton_ms:.3f} | {speedup:.3f} |")  # fmt: skip
+                                     stages=stages, o_tma=o_tma, gluon_ms=ms,
+                                     triton_ms=triton_ms))  # fmt: skip
+                    cells = (E, L, causal, mode, block_n, stages, o_tma, f"{ms:.3f}",
+                             f"{triton_ms:.3f}", f"{triton_ms / ms:.3f}")  # fmt: skip
+                    lines.append("| " + " | ".join(map(str, cells)) + " |")
                     print(lines[-1], flush=True)
     return rows, lines
 
@@ -99,8 +102,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
-    parser.add_argument("--sweep", action="store_true",
-                        help="time each (BLOCK_N, stages) of CANDIDATES instead")  # fmt: skip
+    parser.add_argument(
+        "--sweep", action="store_true", help="time each entry of CANDIDATES instead"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("needs a Hopper GPU", file=sys.stderr)

@@ -126,15 +126,16 @@ def hopper_reports() -> list[tuple[str, str]]:
     """(label, report) of every Gluon forward variant (configs.HOPPER_COMPILED, causal or
     not), compiled with the rank-4 host descriptors _ops._attn_fwd_hopper passes."""
     x = torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16)
-    names = ("q_desc", "k_desc", "v_desc", "qt_desc", "kt_desc", "vt_desc")
+    names = ("q_desc", "k_desc", "v_desc", "qt_desc", "kt_desc", "vt_desc", "o_desc", "ot_desc")
     pointers = {"O": "*bf16", "O_T": "*bf16", "LSE": "*fp32", "MU": "*fp32", "scale": "fp32"}
     out = []
-    for (tangent, e), (block_n, stages) in configs.HOPPER_COMPILED.items():
+    for (tangent, e), (block_n, stages, o_tma) in configs.HOPPER_COMPILED.items():
         for causal in (False, True):
             descs = [_ops._descriptor(x[..., :e], HALF_M.value if i % 3 == 0 else block_n)
                      for i in range(6)]  # fmt: skip
+            descs += [descs[0]] * 2  # o, o_t: blocks of 64 rows, as q's
             consts = dict(HEAD_DIM=e, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
-                          TANGENT=tangent)  # fmt: skip
+                          TANGENT=tangent, O_TMA=o_tma)  # fmt: skip
             sig = {}
             for p in attn_fwd_hopper_kernel.params:
                 if p.name in names:
@@ -145,7 +146,8 @@ def hopper_reports() -> list[tuple[str, str]]:
             res = _compile_report(attn_fwd_hopper_kernel, sig, consts, {}, {"num_warps": 4},
                                   GluonASTSource)  # fmt: skip
             label = f"E{e:3d} fwd_hopper{'+jvp' if tangent else ''}{' causal' if causal else ''}"
-            out.append((f"{label:24} BLOCK_N {block_n} stages {stages}", res))
+            out.append((f"{label:24} BLOCK_N {block_n} stages {stages}"
+                        f"{' o_tma' if o_tma else ''}", res))  # fmt: skip
     return out
 
 

@@ -382,8 +382,8 @@ def attn_fwd(
 
 def _hopper(
     lay: _Layout, spec: Spec, mask: Tensor | None, mask_t: Tensor | None, views: tuple
-) -> tuple[int, int] | None:
-    """(BLOCK_N, STAGES) of the Gluon warp-specialised forward (kernels/fwd_hopper.py) for
+) -> tuple[int, int, bool] | None:
+    """(BLOCK_N, STAGES, O_TMA) of the Gluon warp-specialised forward (kernels/fwd_hopper.py) for
     these (B, H, L, E) views of q, k, v, q_t, k_t, v_t, or None where it does not run (its
     scope: that module's docstring) or is not measured faster (configs.HOPPER)."""
     q, tangents = views[0], views[3:]
@@ -426,7 +426,7 @@ def _descriptor(x: Tensor, rows: int) -> TensorDescriptor:
 
 
 def _attn_fwd_hopper(q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, lay: _Layout, spec: Spec,
-                     block_n: int, stages: int) -> None:  # fmt: skip
+                     block_n: int, stages: int, o_tma: bool) -> None:  # fmt: skip
     """Launch kernels/fwd_hopper.py on (B, H, L, E) views (the tangents all given or none).
     Host descriptors hold the tensors' addresses, which a launch plan cannot swap: unplanned."""
     _plans.unplannable()
@@ -436,13 +436,15 @@ def _attn_fwd_hopper(q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, lay: _Layout, spec
     tiles = (q, k, v, q_t, k_t, v_t) if tangent else (q, k, v) * 2
     descs = [_descriptor(x, rows if i % 3 == 0 else block_n) for i, x in enumerate(tiles)]
     o_t, mu = _or(o_t, o), _or(mu, lse)
+    # o and o_t: fresh contiguous buffers (_empty), so describable, never copied
+    descs += [_descriptor(x, rows) for x in (o, o_t)] if o_tma else descs[:2]
     grid = (_cdiv(lay.Lq, 2 * rows), lay.B * lay.H)
     attn_fwd_hopper_kernel[grid](
         *descs, o, o_t, lse, mu, *o.stride()[:3], *o_t.stride()[:3],
         *_lse_strides(lse, spec).values(), spec.scale, spec.causal_offset or 0,
         lay.H, lay.H // lay.H_KV, lay.Lq, lay.Lk,
         HEAD_DIM=lay.D, BLOCK_N=block_n, STAGES=stages,
-        IS_CAUSAL=spec.causal_offset is not None, TANGENT=tangent, num_warps=4,
+        IS_CAUSAL=spec.causal_offset is not None, TANGENT=tangent, O_TMA=o_tma, num_warps=4,
     )  # fmt: skip
 
 

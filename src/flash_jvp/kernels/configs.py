@@ -112,15 +112,23 @@ _WARP_SPECIALISED = {
 }
 
 # The Gluon warp-specialised forward (kernels/fwd_hopper.py, see _ops._hopper): (tangent,
-# HEAD_DIM) -> (BLOCK_N, STAGES) of every variant that compiles for sm_90 without spills
-# (fwd+JVP at E=128 spills 240 bytes at BLOCK_N 64); tests/test_hopper.py runs them all.
-HOPPER_COMPILED = {(False, 64): (128, 2), (False, 128): (128, 2), (True, 64): (128, 2)}
-# Those routed to it: on an H100 the primal at E=128 ran 1.02-1.13x the Triton forward's
-# speed, fwd+JVP at E=64 0.97-1.30x; the primal at E=64 0.86-0.92x, so it is not routed
-# (results/2026-12-07-h100-hopper-fwd-3748fe9.md). Inputs TMA cannot describe are copied
-# first (_ops._descriptor), so aligned and unaligned twins give the same bits (test_cases C7,
-# C10). Changed at run time, it needs _ops.forget_configs(): launch plans do not see it.
-HOPPER: dict[tuple[bool, int], tuple[int, int]] = {
+# HEAD_DIM) -> (BLOCK_N, STAGES, O_TMA) of every variant that compiles for sm_90 without
+# spills; tests/test_hopper.py runs them all. O_TMA: o (and o_t) stored through shared
+# memory and TMA, which fwd+JVP at E=128 needs (with pointer stores it spills 240 bytes).
+HOPPER_COMPILED = {
+    (False, 64): (128, 2, False),
+    (False, 128): (128, 2, False),
+    (True, 64): (128, 2, False),
+    (True, 128): (32, 3, True),
+}
+# Those routed to it: on an H100 the primal at E=128 ran 0.99-1.13x the Triton forward's
+# speed, fwd+JVP at E=64 (BLOCK_N 128) 0.94-1.28x (below 1 only causal at L=4096); the
+# primal at E=64 0.81-0.99x, so it is not routed (results/2026-12-07-h100-hopper-fwd-bb8bea2
+# and -hopper-fwd-sweep-6f787ab). fwd+JVP at E=128 has not run on a GPU yet. Inputs TMA
+# cannot describe are copied first (_ops._descriptor), so aligned and unaligned twins give
+# the same bits (test_cases C7, C10). Changed at run time, it needs _ops.forget_configs():
+# launch plans do not see it.
+HOPPER: dict[tuple[bool, int], tuple[int, int, bool]] = {
     k: HOPPER_COMPILED[k] for k in [(False, 128), (True, 64)]
 }
 # Only past this many keys: a program's fixed cost (barriers, partitions) weighs on short rows.

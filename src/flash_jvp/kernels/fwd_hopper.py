@@ -22,6 +22,7 @@ GQA, causal with either alignment, every tangent of q, k, v present or none.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -77,13 +78,13 @@ def _load_partition(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
 @gluon.jit
 def _softmax_partition(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
                        q_bar, k_ready, k_empty, v_ready, v_empty,
-                       O, O_T, LSE, MU,
+                       o_desc, ot_desc, O, O_T, LSE, MU,
                        stride_ob, stride_oh, stride_om, stride_otb, stride_oth, stride_otm,
                        stride_lb, stride_lh, off_b, off_h, start_m, n_blocks,
                        scale, causal_offset, Lq, Lk,
                        C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                       TANGENT: gl.constexpr):  # fmt: skip
+                       TANGENT: gl.constexpr, O_TMA: gl.constexpr):  # fmt: skip
     """Consumer C (0 or 1): rows start_m + C * 64 ... + 63 of the program's query block."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -176,29 +177,45 @@ def _softmax_partition(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
 
     # rows with no visible key: o = o_t = 0, lse = -inf (as kernels/fwd.py)
     inv_l = gl.expand_dims(gl.convert_layout(1.0 / gl.where(l_i == 0.0, 1.0, l_i), row_o), 1)
-    rows_o = row0 + gl.arange(0, HALF_M, layout=row_o)
-    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    store_mask = gl.expand_dims(rows_o < Lq, 1)
-    o_offs = gl.expand_dims(rows_o, 1) * stride_om + gl.expand_dims(cols_o, 0)
-    o_base = O + off_b * stride_ob + off_h * stride_oh
-    gl.store(o_base + o_offs, (acc * inv_l).to(dtype), mask=store_mask)
+    if O_TMA:
+        # through this consumer's Q (and Q_t) slot, free now, and TMA (rows past Lq are
+        # clipped): no per-element addresses in registers, which beside two 128-column
+        # accumulators spilled
+        o_smem = q_smem.index(C)
+        o_smem.reshape([HALF_M, HEAD_DIM]).store((acc * inv_l).to(dtype))
+        if TANGENT:
+            qt_smem.index(C).reshape([HALF_M, HEAD_DIM]).store((acc_t * inv_l).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_smem)
+        if TANGENT:
+            tma.async_copy_shared_to_global(ot_desc, [off_b, off_h, row0, 0], qt_smem.index(C))
+        tma.store_wait(0)
+    else:
+        rows_o = row0 + gl.arange(0, HALF_M, layout=row_o)
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        store_mask = gl.expand_dims(rows_o < Lq, 1)
+        o_offs = gl.expand_dims(rows_o, 1) * stride_om + gl.expand_dims(cols_o, 0)
+        o_base = O + off_b * stride_ob + off_h * stride_oh
+        gl.store(o_base + o_offs, (acc * inv_l).to(dtype), mask=store_mask)
     row_offset = off_b * stride_lb + off_h * stride_lh
     lse = (m_i + gl.log2(l_i)) * LN2
     gl.store(LSE + row_offset + offs_m, lse, mask=offs_m < Lq)
     if TANGENT:
         gl.store(MU + row_offset + offs_m, mu_i, mask=offs_m < Lq)
-        ot_offs = gl.expand_dims(rows_o, 1) * stride_otm + gl.expand_dims(cols_o, 0)
-        ot_base = O_T + off_b * stride_otb + off_h * stride_oth
-        gl.store(ot_base + ot_offs, (acc_t * inv_l).to(dtype), mask=store_mask)
+        if not O_TMA:
+            ot_offs = gl.expand_dims(rows_o, 1) * stride_otm + gl.expand_dims(cols_o, 0)
+            ot_base = O_T + off_b * stride_otb + off_h * stride_oth
+            gl.store(ot_base + ot_offs, (acc_t * inv_l).to(dtype), mask=store_mask)
 
 
 @gluon.jit
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
-                           O, O_T, LSE, MU,
+                           o_desc, ot_desc, O, O_T, LSE, MU,
                            stride_ob, stride_oh, stride_om, stride_otb, stride_oth, stride_otm,
                            stride_lb, stride_lh, scale, causal_offset, H, GROUP, Lq, Lk,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           IS_CAUSAL: gl.constexpr, TANGENT: gl.constexpr):  # fmt: skip
+                           IS_CAUSAL: gl.constexpr, TANGENT: gl.constexpr,
+                           O_TMA: gl.constexpr):  # fmt: skip
     """o (and o_t, lse, mu) of one 128-row query block of one (batch, head); see the module
     docstring. Descriptors are rank 4 over (B, H, L, E) with blocks [1, 1, rows, HEAD_DIM];
     absent tangents' descriptors are the primal's, never read (TANGENT is compile-time)."""
@@ -245,16 +262,18 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
         [
             (_softmax_partition, (q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
                                   q_bar, k_ready, k_empty, v_ready, v_empty,
-                                  O, O_T, LSE, MU, stride_ob, stride_oh, stride_om,
-                                  stride_otb, stride_oth, stride_otm, stride_lb, stride_lh,
-                                  off_b, off_h, start_m, n_blocks, scale, causal_offset, Lq, Lk,
-                                  0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, TANGENT)),
+                                  o_desc, ot_desc, O, O_T, LSE, MU, stride_ob, stride_oh,
+                                  stride_om, stride_otb, stride_oth, stride_otm, stride_lb,
+                                  stride_lh, off_b, off_h, start_m, n_blocks, scale,
+                                  causal_offset, Lq, Lk, 0, HEAD_DIM, BLOCK_N, STAGES,
+                                  IS_CAUSAL, TANGENT, O_TMA)),
             (_softmax_partition, (q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
                                   q_bar, k_ready, k_empty, v_ready, v_empty,
-                                  O, O_T, LSE, MU, stride_ob, stride_oh, stride_om,
-                                  stride_otb, stride_oth, stride_otm, stride_lb, stride_lh,
-                                  off_b, off_h, start_m, n_blocks, scale, causal_offset, Lq, Lk,
-                                  1, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, TANGENT)),
+                                  o_desc, ot_desc, O, O_T, LSE, MU, stride_ob, stride_oh,
+                                  stride_om, stride_otb, stride_oth, stride_otm, stride_lb,
+                                  stride_lh, off_b, off_h, start_m, n_blocks, scale,
+                                  causal_offset, Lq, Lk, 1, HEAD_DIM, BLOCK_N, STAGES,
+                                  IS_CAUSAL, TANGENT, O_TMA)),
             (_load_partition, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
                                q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
                                q_bar, k_ready, k_empty, v_ready, v_empty,
