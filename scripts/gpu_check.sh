@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tier on CUDA, the check, and optionally benchmarks. Logs go to $OUT (the device tool's
 # output folder) or ./gpu-results. Usage: scripts/gpu_check.sh [tests] [slow] [check] [bench]
-# [long] [tune] [e2e] [examples] [tangent] [host]
+# [long] [tune] [e2e] [examples] [tangent] [host] [hopper]
 #   tests: the fast GPU tier, every test not marked slow (299 s on the H200 at ca40da8)
 #   slow:  the launch-config sweeps and the rest of the dtype x head-dim cross products (295 s);
 #          tests + slow = the full tier
@@ -9,6 +9,8 @@
 #        row of two models; the default budget skips the last compile rows)
 #   examples: MeanFlow and sCM on the digits with --device cuda, ~2-3 min each, needing
 #        scikit-learn and matplotlib; tangent: benchmarks/tangent_bwd.py with $TANGENT_ARGS
+#   hopper: benchmarks/hopper_fwd.py --sweep with $HOPPER_ARGS (default "--lengths 8192"):
+#        each Gluon forward candidate against the Triton forward (Hopper only)
 #   host: benchmarks/host_time.py with $HOST_ARGS (e.g. "--tree after=. --tree
 #        before=scratch/before", an untracked copy of an older src/ carried with the tree)
 # TESTS: test paths for the test steps (default: tests). Compiled kernels are cached under
@@ -45,6 +47,8 @@ for step in $steps; do
     tune) python3 benchmarks/tune.py --out "$out/tune.json" 2>&1 | tee "$out/tune.txt" ;;
     tangent) python3 benchmarks/tangent_bwd.py --out "$out" ${TANGENT_ARGS:-} 2>&1 \
                | tee "$out/tangent-bwd.txt" || status=1 ;;
+    hopper) python3 benchmarks/hopper_fwd.py --out "$out" --sweep ${HOPPER_ARGS:---lengths 8192} \
+              2>&1 | tee "$out/hopper-sweep.txt" || status=1 ;;
     host) python3 benchmarks/host_time.py --out "$out" ${HOST_ARGS:-} 2>&1 \
             | tee "$out/host-time.txt" || status=1 ;;
     e2e) python3 -m benchmarks.e2e --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e-log.txt" \
