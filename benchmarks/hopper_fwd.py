@@ -11,7 +11,7 @@ the Triton forward (configs.HOPPER emptied), plus cuDNN SDPA's forward. ``diff``
 difference of the two routes' o (and o_t) in float64 (both are checked against float64 in
 tests/test_hopper.py). Times: medians of triton.testing.do_bench (``flash_jvp.bench``).
 Writes ``<date>-<gpu>-hopper-fwd.{json,md}`` under --out; with --sweep, the times of each
-(BLOCK_N, STAGES, O_TMA) of CANDIDATES against the Triton forward (``-hopper-fwd-sweep``).
+variant in CANDIDATES against the Triton forward (``-hopper-fwd-sweep``).
 """
 
 from __future__ import annotations
@@ -29,15 +29,17 @@ from flash_jvp import _check, _ops, attention, bench
 from flash_jvp._env import environment
 from flash_jvp.kernels import configs
 
-# --sweep: (tangent, HEAD_DIM) -> (BLOCK_N, STAGES, O_TMA) candidates, each compiled for sm_90
-# without spills and within shared memory (scripts/compile_sm90.py's hopper_reports) but
-# fwd+JVP E=128 at BLOCK_N 64 (8 bytes of stack when causal)
+# --sweep: (tangent, HEAD_DIM) -> candidates, each compiled for sm_90 without spills and within
+# shared memory (scripts/compile_sm90.py's hopper_reports) but fwd+JVP E=128 at BLOCK_N 64
+# (8 bytes of stack when causal)
+_H = configs.HopperConfig
 CANDIDATES = {
-    (False, 64): [(128, 2, False), (64, 3, False), (128, 2, True)],
-    (False, 128): [(128, 2, False), (128, 3, False), (128, 2, True)],
-    (True, 64): [(128, 2, False), (64, 3, False), (128, 2, True)],
-    (True, 128): [(32, 3, True), (32, 4, True), (32, 2, True), (64, 2, True)],
-}
+    (False, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True)],
+    (False, 128): [_H(128, 2), _H(128, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True),
+                   _H(128, 2, overlap=True)],
+    (True, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True)],
+    (True, 128): [_H(32, 3, True), _H(32, 4, True), _H(32, 2, True), _H(64, 2, True)],
+}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -59,12 +61,14 @@ def _run(mode: str, s: bench.Shape):
     return (bench._jvp if mode == "fwd+jvp" else bench._fwd)(attention, s)
 
 
-def _diff(mode: str, s: bench.Shape) -> float:
+def _diff(mode: str, s: bench.Shape, gluon: bool | dict = True) -> float:
+    """Relative difference of o (and o_t) between the Gluon route ``gluon`` and the Triton
+    forward, in float64."""
     torch.manual_seed(0)
     q, k, v, tangents, _ = bench._tensors(s, False)
     outs = []
-    for gluon in (True, False):
-        with route(gluon):
+    for routing in (gluon, False):
+        with route(routing):
             if mode == "fwd+jvp":
                 fn = lambda q, k, v: attention(q, k, v, is_causal=s.is_causal)  # noqa: E731
                 outs.append(torch.func.jvp(fn, (q, k, v), tangents))
@@ -74,10 +78,11 @@ def _diff(mode: str, s: bench.Shape) -> float:
 
 
 def sweep(lengths: list[int]) -> tuple[list[dict], list[str]]:
-    """Each CANDIDATES entry against the Triton forward (both routes' ms, same run)."""
+    """Each CANDIDATES entry against the Triton forward (both routes' ms, same run, and the
+    relative difference of their outputs: a wrong variant shows there, not only in time)."""
     rows = []
-    lines = ["| E | L | causal | mode | BLOCK_N | stages | o_tma | gluon ms | triton ms "
-             "| triton / gluon |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| E | L | causal | mode | BLOCK_N | stages | o_tma | overlap | gluon ms "
+             "| triton ms | triton / gluon | diff |", "|---" * 12 + "|"]  # fmt: skip
     for (tangent, E), candidates in CANDIDATES.items():
         mode = "fwd+jvp" if tangent else "fwd"
         for L in lengths:
@@ -85,14 +90,14 @@ def sweep(lengths: list[int]) -> tuple[list[dict], list[str]]:
                 s = bench.Shape(4, 16 if E == 64 else 8, L, E, causal)
                 with route(False):
                     triton_ms = bench._measure(lambda s, m=mode: _run(m, s), s)[0]
-                for block_n, stages, o_tma in candidates:
-                    with route({(tangent, E): (block_n, stages, o_tma)}):
+                for cfg in candidates:
+                    with route({(tangent, E): cfg}):
                         ms = bench._measure(lambda s, m=mode: _run(m, s), s)[0]
-                    rows.append(dict(E=E, L=L, causal=causal, mode=mode, block_n=block_n,
-                                     stages=stages, o_tma=o_tma, gluon_ms=ms,
-                                     triton_ms=triton_ms))  # fmt: skip
-                    cells = (E, L, causal, mode, block_n, stages, o_tma, f"{ms:.3f}",
-                             f"{triton_ms:.3f}", f"{triton_ms / ms:.3f}")  # fmt: skip
+                    diff = _diff(mode, s, {(tangent, E): cfg})
+                    rows.append(dict(E=E, L=L, causal=causal, mode=mode, **cfg._asdict(),
+                                     gluon_ms=ms, triton_ms=triton_ms, diff=diff))  # fmt: skip
+                    cells = (E, L, causal, mode, *cfg, f"{ms:.3f}", f"{triton_ms:.3f}",
+                             f"{triton_ms / ms:.3f}", f"{diff:.1e}")  # fmt: skip
                     lines.append("| " + " | ".join(map(str, cells)) + " |")
                     print(lines[-1], flush=True)
     return rows, lines

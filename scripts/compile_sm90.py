@@ -129,13 +129,13 @@ def hopper_reports() -> list[tuple[str, str]]:
     names = ("q_desc", "k_desc", "v_desc", "qt_desc", "kt_desc", "vt_desc", "o_desc", "ot_desc")
     pointers = {"O": "*bf16", "O_T": "*bf16", "LSE": "*fp32", "MU": "*fp32", "scale": "fp32"}
     out = []
-    for (tangent, e), (block_n, stages, o_tma) in configs.HOPPER_COMPILED.items():
+    for (tangent, e), cfg in configs.HOPPER_COMPILED.items():
         for causal in (False, True):
-            descs = [_ops._descriptor(x[..., :e], HALF_M.value if i % 3 == 0 else block_n)
+            descs = [_ops._descriptor(x[..., :e], HALF_M.value if i % 3 == 0 else cfg.block_n)
                      for i in range(6)]  # fmt: skip
             descs += [descs[0]] * 2  # o, o_t: blocks of 64 rows, as q's
-            consts = dict(HEAD_DIM=e, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
-                          TANGENT=tangent, O_TMA=o_tma)  # fmt: skip
+            consts = dict(HEAD_DIM=e, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal,
+                          TANGENT=tangent, O_TMA=cfg.o_tma, OVERLAP=cfg.overlap)  # fmt: skip
             sig = {}
             for p in attn_fwd_hopper_kernel.params:
                 if p.name in names:
@@ -146,8 +146,8 @@ def hopper_reports() -> list[tuple[str, str]]:
             res = _compile_report(attn_fwd_hopper_kernel, sig, consts, {}, {"num_warps": 4},
                                   GluonASTSource)  # fmt: skip
             label = f"E{e:3d} fwd_hopper{'+jvp' if tangent else ''}{' causal' if causal else ''}"
-            out.append((f"{label:24} BLOCK_N {block_n} stages {stages}"
-                        f"{' o_tma' if o_tma else ''}", res))  # fmt: skip
+            flags = "".join(f" {f}" for f in ("o_tma", "overlap") if getattr(cfg, f))
+            out.append((f"{label:24} BLOCK_N {cfg.block_n} stages {cfg.stages}{flags}", res))
     return out
 
 

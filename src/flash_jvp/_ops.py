@@ -344,7 +344,7 @@ def attn_fwd(
     )
     hopper = _hopper(lay, spec, mask, mask_t, (q4, k4, v4, q_t4, k_t4, v_t4))
     if hopper is not None:
-        _attn_fwd_hopper(q4, k4, v4, q_t4, k_t4, v_t4, o4, o_t4, lse, mu, lay, spec, *hopper)
+        _attn_fwd_hopper(q4, k4, v4, q_t4, k_t4, v_t4, o4, o_t4, lse, mu, lay, spec, hopper)
         return o, o_t, lse, mu
     width, short = _tile_width(tiles), lay.Lk <= configs.SHORT_LK
     tma = _tma(tiles, q4, k4, v4, o4, q_t4, k_t4, v_t4, o_t4)
@@ -382,10 +382,12 @@ def attn_fwd(
 
 def _hopper(
     lay: _Layout, spec: Spec, mask: Tensor | None, mask_t: Tensor | None, views: tuple
-) -> tuple[int, int, bool] | None:
-    """(BLOCK_N, STAGES, O_TMA) of the Gluon warp-specialised forward (kernels/fwd_hopper.py) for
+) -> configs.HopperConfig | None:
+    """The variant of the Gluon warp-specialised forward (kernels/fwd_hopper.py) for
     these (B, H, L, E) views of q, k, v, q_t, k_t, v_t, or None where it does not run (its
-    scope: that module's docstring) or is not measured faster (configs.HOPPER)."""
+    scope: that module's docstring) or is not measured faster (configs.HOPPER). Inputs
+    expanded over the batch or heads (a stride of 0) stay on the Triton forward, which reads
+    them as they are: the Gluon forward would copy them out (_descriptor)."""
     q, tangents = views[0], views[3:]
     if any(t is None for t in tangents) and any(t is not None for t in tangents):
         return None  # some tangents only: the Triton forward skips the missing ones' products
@@ -398,22 +400,30 @@ def _hopper(
         or lay.DV != lay.D
         or lay.Lk <= configs.HOPPER_MIN_LK
         or lay.B * lay.H > MAX_GRID_Y
+        # o's pointer offsets are 32-bit in the kernel (o is contiguous, as q's shape)
+        or lay.B * lay.H * lay.Lq * lay.DV >= 2**31
         or INTERPRET
         or q.dtype not in (torch.float16, torch.bfloat16)
         or not _tma_capable(q.device)
+        or any(_expanded(x) for x in views if x is not None)
     ):
         return None
     return chosen
 
 
-def _descriptor(x: Tensor, rows: int) -> TensorDescriptor:
+def _expanded(x: Tensor) -> bool:
+    """A stride of 0 over more than one entry (a broadcast view)."""
+    return any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape))
+
+
+def _descriptor(x: Tensor, rows: int, copy: bool = True) -> TensorDescriptor:
     """A rank-4 TMA descriptor over a (B, H, L, E) view, blocks of [1, 1, rows, E]; a view TMA
-    cannot describe (not _describable) is copied first, so the route and the bits do not
-    depend on alignment. So is an expanded one (a stride of 0 over more than one entry):
-    that the driver's host-side encoding accepts it has not been measured. A size-1 dim's
-    stride (never multiplied by more than 0) is replaced by an aligned one."""
-    expanded = any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape))
-    if expanded or not _describable(x):
+    cannot describe (not _describable) is copied first (``copy``; an output must never be),
+    so the route and the bits do not depend on alignment. A size-1 dim's stride (never
+    multiplied by more than 0) is replaced by an aligned one."""
+    if not _describable(x):
+        if not copy:
+            raise RuntimeError(f"flash_jvp: internal error, output strides {x.stride()} not TMA")
         x = x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
     strides = list(x.stride())
     for d in (2, 1, 0):
@@ -426,25 +436,30 @@ def _descriptor(x: Tensor, rows: int) -> TensorDescriptor:
 
 
 def _attn_fwd_hopper(q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, lay: _Layout, spec: Spec,
-                     block_n: int, stages: int, o_tma: bool) -> None:  # fmt: skip
+                     cfg: configs.HopperConfig) -> None:  # fmt: skip
     """Launch kernels/fwd_hopper.py on (B, H, L, E) views (the tangents all given or none).
     Host descriptors hold the tensors' addresses, which a launch plan cannot swap: unplanned."""
     _plans.unplannable()
     tangent = q_t is not None
     rows = HALF_M.value  # each consumer's query rows
+
+    def descs(q, k, v):  # q's in blocks of one consumer's rows, k's and v's of BLOCK_N keys
+        return [_descriptor(q, rows), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n)]
+
+    primal = descs(q, k, v)
     # absent tangents' descriptors: the primal's, never read (TANGENT is compile-time)
-    tiles = (q, k, v, q_t, k_t, v_t) if tangent else (q, k, v) * 2
-    descs = [_descriptor(x, rows if i % 3 == 0 else block_n) for i, x in enumerate(tiles)]
+    tangents = descs(q_t, k_t, v_t) if tangent else primal
     o_t, mu = _or(o_t, o), _or(mu, lse)
-    # o and o_t: fresh contiguous buffers (_empty), so describable, never copied
-    descs += [_descriptor(x, rows) for x in (o, o_t)] if o_tma else descs[:2]
+    # o and o_t: fresh contiguous buffers (_empty); without O_TMA any descriptor, never read
+    outs = [_descriptor(x, rows, copy=False) for x in (o, o_t)] if cfg.o_tma else primal[:2]
     grid = (_cdiv(lay.Lq, 2 * rows), lay.B * lay.H)
     attn_fwd_hopper_kernel[grid](
-        *descs, o, o_t, lse, mu, *o.stride()[:3], *o_t.stride()[:3],
+        *primal, *tangents, *outs, o, o_t, lse, mu, *o.stride()[:3], *o_t.stride()[:3],
         *_lse_strides(lse, spec).values(), spec.scale, spec.causal_offset or 0,
         lay.H, lay.H // lay.H_KV, lay.Lq, lay.Lk,
-        HEAD_DIM=lay.D, BLOCK_N=block_n, STAGES=stages,
-        IS_CAUSAL=spec.causal_offset is not None, TANGENT=tangent, O_TMA=o_tma, num_warps=4,
+        HEAD_DIM=lay.D, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        IS_CAUSAL=spec.causal_offset is not None, TANGENT=tangent, O_TMA=cfg.o_tma,
+        OVERLAP=cfg.overlap, num_warps=4,
     )  # fmt: skip
 
 

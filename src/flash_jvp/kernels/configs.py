@@ -13,6 +13,7 @@ benchmarks/results/), checked for spills with scripts/compile_sm90.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -111,15 +112,28 @@ _WARP_SPECIALISED = {
     True: {"fwd+jvp": {128: Config(128, 64, 4, 2, tma=True, ws=True)}},
 }
 
-# The Gluon warp-specialised forward (kernels/fwd_hopper.py, see _ops._hopper): (tangent,
-# HEAD_DIM) -> (BLOCK_N, STAGES, O_TMA) of every variant that compiles for sm_90 without
-# spills; tests/test_hopper.py runs them all. O_TMA: o (and o_t) stored through shared
-# memory and TMA, which fwd+JVP at E=128 needs (with pointer stores it spills 240 bytes).
+
+class HopperConfig(NamedTuple):
+    """A variant of the Gluon warp-specialised forward (kernels/fwd_hopper.py): BLOCK_N keys
+    per block, STAGES ring slots for K and V (and their tangents); O_TMA: o (and o_t) stored
+    through shared memory and TMA instead of per-element pointers; OVERLAP (primal only):
+    each block's softmax runs during the previous block's P V product (FA3's order)."""
+
+    block_n: int
+    stages: int
+    o_tma: bool = False
+    overlap: bool = False
+
+
+# (tangent, HEAD_DIM) -> every variant offered to the route (see _ops._hopper); each compiles
+# for sm_90 without spills (tests/test_hopper_compile.py) and tests/test_hopper.py runs them
+# all. fwd+JVP at E=128 needs O_TMA: with pointer stores it spills 240 bytes (the 64 x 128
+# addresses of o and o_t beside both accumulators).
 HOPPER_COMPILED = {
-    (False, 64): (128, 2, False),
-    (False, 128): (128, 2, False),
-    (True, 64): (128, 2, False),
-    (True, 128): (32, 3, True),
+    (False, 64): HopperConfig(128, 2),
+    (False, 128): HopperConfig(128, 2),
+    (True, 64): HopperConfig(128, 2),
+    (True, 128): HopperConfig(32, 3, o_tma=True),
 }
 # Those routed to it: on an H100 the primal at E=128 ran 0.99-1.13x the Triton forward's
 # speed, fwd+JVP at E=64 (BLOCK_N 128) 0.94-1.28x (below 1 only causal at L=4096); the
@@ -128,7 +142,7 @@ HOPPER_COMPILED = {
 # cannot describe are copied first (_ops._descriptor), so aligned and unaligned twins give
 # the same bits (test_cases C7, C10). Changed at run time, it needs _ops.forget_configs():
 # launch plans do not see it.
-HOPPER: dict[tuple[bool, int], tuple[int, int, bool]] = {
+HOPPER: dict[tuple[bool, int], HopperConfig] = {
     k: HOPPER_COMPILED[k] for k in [(False, 128), (True, 64)]
 }
 # Only past this many keys: a program's fixed cost (barriers, partitions) weighs on short rows.

@@ -16,7 +16,12 @@ TMA accepts), so rows past Lq or Lk read as zeros and no other head's data is to
 
 Scope (see _ops._hopper, which routes here and falls back to kernels/fwd.py otherwise):
 fp16/bf16, HEAD_DIM 64 or 128 for q, k and v alike, no attn_mask, dense batches (no varlen),
-GQA, causal with either alignment, every tangent of q, k, v present or none.
+GQA, causal with either alignment, every tangent of q, k, v present or none, no input
+expanded with a stride of 0, o under 2**31 elements (its pointer offsets are 32-bit).
+
+Switches: O_TMA stores o (and o_t) through each consumer's Q (Q_t) slot and TMA instead of
+per-element pointers; OVERLAP (primal only) orders each consumer's products as
+FlashAttention-3 does, so a block's softmax runs during the previous block's P V.
 """
 
 from triton.experimental import gluon
@@ -76,6 +81,81 @@ def _load_partition(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
 
 
 @gluon.jit
+def _online_softmax(qk, m_i, l_i, start_n, offs_m, row0, qk_scale, causal_offset, Lk,
+                    BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                    col_s: gl.constexpr):  # fmt: skip
+    """One key block's step of the online softmax on raw scores qk: (p, alpha, m, l), p
+    relative to the new running max m, alpha = the old max's correction."""
+    qk = qk * qk_scale
+    # keys past Lk (zero-filled by TMA) and, causal, keys past the diagonal: -inf;
+    # only the blocks that reach either pay for the select
+    last_key = start_n + BLOCK_N - 1
+    need_mask = last_key >= Lk
+    if IS_CAUSAL:
+        need_mask = need_mask | (last_key > row0 + causal_offset)
+    if need_mask:
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_s)
+        keep = gl.expand_dims(offs_n < Lk, 0)
+        if IS_CAUSAL:
+            last = gl.expand_dims(offs_m, 1) + causal_offset  # each row's last key
+            keep = keep & (gl.expand_dims(offs_n, 0) <= last)
+        qk = gl.where(keep, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+    # a row with no visible key so far keeps m = -inf; 0 makes exp2 give 0, not NaN
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(qk - gl.expand_dims(m_use, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _primal_overlapped(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, m_i, l_i,
+                       s_zero, n_blocks, offs_m, row0, qk_scale, causal_offset, Lk,
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       IS_CAUSAL: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr,
+                       p_layout: gl.constexpr):  # fmt: skip
+    """The primal key loop in FlashAttention-3's order (Shah et al., 2024, sec. 3.2): block
+    i's S = Q K^T is issued before block i-1's P V, so block i's softmax runs while the tensor
+    cores do that P V; each product is waited in the iteration that issues it (ptxas then
+    keeps them in flight). Needs n_blocks >= 1. Returns (acc, m, l) as the plain loop."""
+    mbarrier.wait(k_ready.index(0), 0)
+    k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    qk = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i, 0, offs_m, row0, qk_scale, causal_offset,
+                                         Lk, BLOCK_N, IS_CAUSAL, col_s)  # fmt: skip
+    p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+    for i in range(1, n_blocks):
+        s = i % STAGES
+        prev = (i - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+        k = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        qk = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
+                            is_async=True)  # fmt: skip
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i, i * BLOCK_N, offs_m, row0, qk_scale,
+                                             causal_offset, Lk, BLOCK_N, IS_CAUSAL,
+                                             col_s)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+    last = (n_blocks - 1) % STAGES
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
+                        is_async=True)  # fmt: skip
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(last), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _softmax_partition(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
                        q_bar, k_ready, k_empty, v_ready, v_empty,
                        o_desc, ot_desc, O, O_T, LSE, MU,
@@ -84,7 +164,8 @@ def _softmax_partition(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
                        scale, causal_offset, Lq, Lk,
                        C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                       TANGENT: gl.constexpr, O_TMA: gl.constexpr):  # fmt: skip
+                       TANGENT: gl.constexpr, O_TMA: gl.constexpr,
+                       OVERLAP: gl.constexpr):  # fmt: skip
     """Consumer C (0 or 1): rows start_m + C * 64 ... + 63 of the program's query block."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -112,68 +193,58 @@ def _softmax_partition(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
     mbarrier.wait(q_bar, 0)
     q = q_smem.index(C).reshape([HALF_M, HEAD_DIM])
     q_t = qt_smem.index(C).reshape([HALF_M, HEAD_DIM])
-    for i in range(n_blocks):
-        s = i % STAGES
-        phase = (i // STAGES) & 1
-        start_n = i * BLOCK_N
-        mbarrier.wait(k_ready.index(s), phase)
-        k = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-        qk = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-        if TANGENT:
-            k_t = kt_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            s_t = warpgroup_mma(q_t, k, s_zero, use_acc=False, is_async=True)
-            s_t = warpgroup_mma(q, k_t, s_t, is_async=True)
-            qk, s_t = warpgroup_mma_wait(num_outstanding=0, deps=(qk, s_t))
-        else:
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        mbarrier.arrive(k_empty.index(s), count=1)
+    if OVERLAP:  # primal only
+        acc, m_i, l_i = _primal_overlapped(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                           acc, m_i, l_i, s_zero, n_blocks, offs_m, row0,
+                                           qk_scale, causal_offset, Lk, HEAD_DIM, BLOCK_N,
+                                           STAGES, IS_CAUSAL, col_s, row_o,
+                                           p_layout)  # fmt: skip
+    else:
+        for i in range(n_blocks):
+            s = i % STAGES
+            phase = (i // STAGES) & 1
+            start_n = i * BLOCK_N
+            mbarrier.wait(k_ready.index(s), phase)
+            k = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+            qk = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+            if TANGENT:
+                k_t = kt_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                s_t = warpgroup_mma(q_t, k, s_zero, use_acc=False, is_async=True)
+                s_t = warpgroup_mma(q, k_t, s_t, is_async=True)
+                qk, s_t = warpgroup_mma_wait(num_outstanding=0, deps=(qk, s_t))
+            else:
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            mbarrier.arrive(k_empty.index(s), count=1)
 
-        qk = qk * qk_scale
-        # keys past Lk (zero-filled by TMA) and, causal, keys past the diagonal: -inf;
-        # only the blocks that reach either pay for the select
-        last_key = start_n + BLOCK_N - 1
-        need_mask = last_key >= Lk
-        if IS_CAUSAL:
-            need_mask = need_mask | (last_key > row0 + causal_offset)
-        if need_mask:
-            offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_s)
-            keep = gl.expand_dims(offs_n < Lk, 0)
-            if IS_CAUSAL:
-                last = gl.expand_dims(offs_m, 1) + causal_offset  # each row's last key
-                keep = keep & (gl.expand_dims(offs_n, 0) <= last)
-            qk = gl.where(keep, qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-        # a row with no visible key so far keeps m = -inf; 0 makes exp2 give 0, not NaN
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(qk - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        acc = acc * alpha_o
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        if TANGENT:
-            # centred on the running mean mu, as in kernels/fwd.py (keeps products small)
-            g_i = g_i * alpha + gl.sum(p * s_t, axis=1) * scale
-            mu_new = g_i / gl.where(l_i == 0.0, 1.0, l_i)
-            p_s_t = p * (s_t * scale - gl.expand_dims(mu_new, 1))
-            d_mu = gl.expand_dims(gl.convert_layout(mu_new - mu_i, row_o), 1)
-            acc_t = acc_t * alpha_o - d_mu * acc
-            mu_i = mu_new
-            p_s_t_op = gl.convert_layout(p_s_t.to(dtype), p_layout)
-        m_i = m_new
+            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, start_n, offs_m, row0, qk_scale,
+                                                   causal_offset, Lk, BLOCK_N, IS_CAUSAL,
+                                                   col_s)  # fmt: skip
+            alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            acc = acc * alpha_o
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            if TANGENT:
+                # centred on the running mean mu, as in kernels/fwd.py (keeps products small)
+                g_i = g_i * alpha + gl.sum(p * s_t, axis=1) * scale
+                mu_new = g_i / gl.where(l_i == 0.0, 1.0, l_i)
+                p_s_t = p * (s_t * scale - gl.expand_dims(mu_new, 1))
+                d_mu = gl.expand_dims(gl.convert_layout(mu_new - mu_i, row_o), 1)
+                acc_t = acc_t * alpha_o - d_mu * acc
+                mu_i = mu_new
+                p_s_t_op = gl.convert_layout(p_s_t.to(dtype), p_layout)
+            m_i = m_new
 
-        mbarrier.wait(v_ready.index(s), phase)
-        v = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-        if TANGENT:
-            v_t = vt_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-            acc_t = warpgroup_mma(p_s_t_op, v, acc_t, is_async=True)
-            acc_t = warpgroup_mma(p_op, v_t, acc_t, is_async=True)
-            acc = warpgroup_mma(p_op, v, acc, is_async=True)
-            acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
-        else:
-            acc = warpgroup_mma(p_op, v, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(s), count=1)
+            mbarrier.wait(v_ready.index(s), phase)
+            v = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+            if TANGENT:
+                v_t = vt_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+                acc_t = warpgroup_mma(p_s_t_op, v, acc_t, is_async=True)
+                acc_t = warpgroup_mma(p_op, v_t, acc_t, is_async=True)
+                acc = warpgroup_mma(p_op, v, acc, is_async=True)
+                acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
+            else:
+                acc = warpgroup_mma(p_op, v, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(s), count=1)
 
     # rows with no visible key: o = o_t = 0, lse = -inf (as kernels/fwd.py)
     inv_l = gl.expand_dims(gl.convert_layout(1.0 / gl.where(l_i == 0.0, 1.0, l_i), row_o), 1)
@@ -215,7 +286,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
                            stride_lb, stride_lh, scale, causal_offset, H, GROUP, Lq, Lk,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            IS_CAUSAL: gl.constexpr, TANGENT: gl.constexpr,
-                           O_TMA: gl.constexpr):  # fmt: skip
+                           O_TMA: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
     """o (and o_t, lse, mu) of one 128-row query block of one (batch, head); see the module
     docstring. Descriptors are rank 4 over (B, H, L, E) with blocks [1, 1, rows, HEAD_DIM];
     absent tangents' descriptors are the primal's, never read (TANGENT is compile-time)."""
@@ -232,6 +303,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
     if IS_CAUSAL:  # row i sees keys j <= i + causal_offset
         hi = gl.minimum(hi, gl.maximum(start_m + BLOCK_M + causal_offset, 0))
     n_blocks = gl.cdiv(hi, BLOCK_N)
+    if OVERLAP:  # its first block is peeled: a block of rows that sees no key reads one, masked
+        gl.static_assert(not TANGENT, "OVERLAP is for the primal forward")
+        n_blocks = gl.maximum(n_blocks, 1)
 
     dtype: gl.constexpr = q_desc.dtype
     q_shape: gl.constexpr = [2] + q_desc.block_type.shape
@@ -266,14 +340,14 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
                                   stride_om, stride_otb, stride_oth, stride_otm, stride_lb,
                                   stride_lh, off_b, off_h, start_m, n_blocks, scale,
                                   causal_offset, Lq, Lk, 0, HEAD_DIM, BLOCK_N, STAGES,
-                                  IS_CAUSAL, TANGENT, O_TMA)),
+                                  IS_CAUSAL, TANGENT, O_TMA, OVERLAP)),
             (_softmax_partition, (q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
                                   q_bar, k_ready, k_empty, v_ready, v_empty,
                                   o_desc, ot_desc, O, O_T, LSE, MU, stride_ob, stride_oh,
                                   stride_om, stride_otb, stride_oth, stride_otm, stride_lb,
                                   stride_lh, off_b, off_h, start_m, n_blocks, scale,
                                   causal_offset, Lq, Lk, 1, HEAD_DIM, BLOCK_N, STAGES,
-                                  IS_CAUSAL, TANGENT, O_TMA)),
+                                  IS_CAUSAL, TANGENT, O_TMA, OVERLAP)),
             (_load_partition, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
                                q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
                                q_bar, k_ready, k_empty, v_ready, v_empty,
