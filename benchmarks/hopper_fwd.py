@@ -11,7 +11,7 @@ the Triton forward (configs.HOPPER emptied), plus cuDNN SDPA's forward. ``diff``
 difference of the two routes' o (and o_t) in float64 (both are checked against float64 in
 tests/test_hopper.py). Times: medians of triton.testing.do_bench (``flash_jvp.bench``).
 Writes ``<date>-<gpu>-hopper-fwd.{json,md}`` under --out; with --sweep, the times of each
-variant in CANDIDATES against the Triton forward (``-hopper-fwd-sweep``).
+variant in configs.HOPPER_CANDIDATES against the Triton forward (``-hopper-fwd-sweep``).
 """
 
 from __future__ import annotations
@@ -28,18 +28,6 @@ import torch
 from flash_jvp import _check, _ops, attention, bench
 from flash_jvp._env import environment
 from flash_jvp.kernels import configs
-
-# --sweep: (tangent, HEAD_DIM) -> candidates, each compiled for sm_90 without spills and within
-# shared memory (scripts/compile_sm90.py's hopper_reports) but fwd+JVP E=128 at BLOCK_N 64
-# (8 bytes of stack when causal)
-_H = configs.HopperConfig
-CANDIDATES = {
-    (False, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True)],
-    (False, 128): [_H(128, 2), _H(128, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True),
-                   _H(128, 2, overlap=True)],
-    (True, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True)],
-    (True, 128): [_H(32, 3, True), _H(32, 4, True), _H(32, 2, True), _H(64, 2, True)],
-}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -78,12 +66,12 @@ def _diff(mode: str, s: bench.Shape, gluon: bool | dict = True) -> float:
 
 
 def sweep(lengths: list[int]) -> tuple[list[dict], list[str]]:
-    """Each CANDIDATES entry against the Triton forward (both routes' ms, same run, and the
-    relative difference of their outputs: a wrong variant shows there, not only in time)."""
+    """Each configs.HOPPER_CANDIDATES entry against the Triton forward (both routes' ms, same
+    run, and the relative difference of their outputs: a wrong variant shows there too)."""
     rows = []
     lines = ["| E | L | causal | mode | BLOCK_N | stages | o_tma | overlap | gluon ms "
              "| triton ms | triton / gluon | diff |", "|---" * 12 + "|"]  # fmt: skip
-    for (tangent, E), candidates in CANDIDATES.items():
+    for (tangent, E), candidates in configs.HOPPER_CANDIDATES.items():
         mode = "fwd+jvp" if tangent else "fwd"
         for L in lengths:
             for causal in (False, True):
@@ -108,7 +96,7 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument(
-        "--sweep", action="store_true", help="time each entry of CANDIDATES instead"
+        "--sweep", action="store_true", help="time each of configs.HOPPER_CANDIDATES instead"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:

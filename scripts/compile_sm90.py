@@ -123,13 +123,14 @@ def _compile_report(kernel, sig, consts, attrs, options, source=ASTSource) -> st
 
 
 def hopper_reports() -> list[tuple[str, str]]:
-    """(label, report) of every Gluon forward variant (configs.HOPPER_COMPILED, causal or
+    """(label, report) of every Gluon forward variant (configs.HOPPER_CANDIDATES, causal or
     not), compiled with the rank-4 host descriptors _ops._attn_fwd_hopper passes."""
     x = torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16)
     names = ("q_desc", "k_desc", "v_desc", "qt_desc", "kt_desc", "vt_desc", "o_desc", "ot_desc")
     pointers = {"O": "*bf16", "O_T": "*bf16", "LSE": "*fp32", "MU": "*fp32", "scale": "fp32"}
     out = []
-    for (tangent, e), cfg in configs.HOPPER_COMPILED.items():
+    variants = [(key, cfg) for key, cfgs in configs.HOPPER_CANDIDATES.items() for cfg in cfgs]
+    for (tangent, e), cfg in variants:
         for causal in (False, True):
             descs = [_ops._descriptor(x[..., :e], HALF_M.value if i % 3 == 0 else cfg.block_n)
                      for i in range(6)]  # fmt: skip

@@ -92,6 +92,33 @@ def test_matches_float64(hopper_seen, case):
     assert set(hopper_seen) == {(False, E), (True, E)}
 
 
+CANDIDATES = [(key, cfg) for key, cfgs in configs.HOPPER_CANDIDATES.items() for cfg in cfgs]
+
+
+@pytest.mark.parametrize(
+    "shape", [(777, 1000, {}), (900, 600, {"is_causal": True}), (800, 600, {"bottom_right": True})]
+)
+@pytest.mark.parametrize("key, cfg", CANDIDATES, ids=[f"{k}-{tuple(c)}" for k, c in CANDIDATES])
+def test_candidates_match_float64(monkeypatch, key, cfg, shape):
+    """Every variant the sweep may pick (configs.HOPPER_CANDIDATES), routed alone: o, o_t and
+    the backward's gradients (through the variant's lse, or o_t) against float64; odd
+    lengths, causal both alignments, a query block that sees no key (bottom-right, Lq - Lk
+    >= 128)."""
+    E = key[1]
+    Lq, Lk, kw = shape
+    monkeypatch.setattr(configs, "HOPPER", {key: cfg})
+    monkeypatch.setattr(_ops, "_CHOSEN", {})
+    seen = []
+    launch = _ops._attn_fwd_hopper
+    monkeypatch.setattr(_ops, "_attn_fwd_hopper", lambda *a: seen.append(a[-1]) or launch(*a))
+    q, k, v, tangents, do = qkv(1, 2, 2, Lq, Lk, E, dtype=torch.bfloat16)
+    kw = dict(kw)
+    if kw.pop("bottom_right", False):
+        kw["attn_mask"] = causal_lower_right(Lq, Lk)
+    assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, **kw)
+    assert seen and all(c == cfg for c in seen)
+
+
 @pytest.mark.parametrize("case", ["e64", "gqa_causal", "no_key_rows", "e128_odd"])
 def test_backward_through_tangent(hopper_seen, case):
     """mu (lse's tangent) from the Gluon fwd+JVP feeds the backward through o_t: right."""

@@ -125,16 +125,22 @@ class HopperConfig(NamedTuple):
     overlap: bool = False
 
 
-# (tangent, HEAD_DIM) -> every variant offered to the route (see _ops._hopper); each compiles
-# for sm_90 without spills (tests/test_hopper_compile.py) and tests/test_hopper.py runs them
-# all. fwd+JVP at E=128 needs O_TMA: with pointer stores it spills 240 bytes (the 64 x 128
-# addresses of o and o_t beside both accumulators).
-HOPPER_COMPILED = {
-    (False, 64): HopperConfig(128, 2),
-    (False, 128): HopperConfig(128, 2),
-    (True, 64): HopperConfig(128, 2),
-    (True, 128): HopperConfig(32, 3, o_tma=True),
-}
+_H = HopperConfig
+# (tangent, HEAD_DIM) -> the variants that may be routed: each compiles for sm_90 without
+# spills (tests/test_hopper_compile.py), is checked against float64 on Hopper
+# (tests/test_hopper.py) and timed against the Triton forward (benchmarks/hopper_fwd.py
+# --sweep). fwd+JVP at E=128 needs O_TMA: with pointer stores it spills 240 bytes (the
+# 64 x 128 addresses of o and o_t beside both accumulators), at BLOCK_N 64 8 bytes causal.
+HOPPER_CANDIDATES = {
+    (False, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True)],
+    (False, 128): [_H(128, 2), _H(128, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True),
+                   _H(128, 2, overlap=True)],
+    (True, 64): [_H(128, 2), _H(64, 3)],  # with O_TMA: 24 bytes of stack, causal
+    (True, 128): [_H(32, 3, True), _H(32, 4, True), _H(32, 2, True)],
+}  # fmt: skip
+# One per (tangent, HEAD_DIM): the variant offered to the route, the fastest measured
+# (results/2026-12-07-h100-hopper-fwd-sweep-6f787ab.md; E=128 fwd+JVP not yet run).
+HOPPER_COMPILED = {key: variants[0] for key, variants in HOPPER_CANDIDATES.items()}
 # Those routed to it: on an H100 the primal at E=128 ran 0.99-1.13x the Triton forward's
 # speed, fwd+JVP at E=64 (BLOCK_N 128) 0.94-1.28x (below 1 only causal at L=4096); the
 # primal at E=64 0.81-0.99x, so it is not routed (results/2026-12-07-h100-hopper-fwd-bb8bea2
