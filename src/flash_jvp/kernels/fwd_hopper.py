@@ -110,6 +110,16 @@ def _online_softmax(qk, m_i, l_i, start_n, offs_m, row0, qk_scale, causal_offset
 
 
 @gluon.jit
+def _issue_pv(acc, alpha, p_op, v_smem, v_ready, j, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, row_o: gl.constexpr):  # fmt: skip
+    """acc rescaled to block j's running max, then block j's P V issued (not waited)."""
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+    v = v_smem.index(j % STAGES).reshape([BLOCK_N, HEAD_DIM])
+    return warpgroup_mma(p_op, v, acc, is_async=True)
+
+
+@gluon.jit
 def _primal_overlapped(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, m_i, l_i,
                        s_zero, n_blocks, offs_m, row0, qk_scale, causal_offset, Lk,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -133,10 +143,8 @@ def _primal_overlapped(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, ac
         mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
         k = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
         qk = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
-                            is_async=True)  # fmt: skip
+        acc = _issue_pv(acc, alpha, p_op, v_smem, v_ready, i - 1, HEAD_DIM, BLOCK_N, STAGES,
+                        row_o)  # fmt: skip
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
         mbarrier.arrive(k_empty.index(s), count=1)
         p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i, i * BLOCK_N, offs_m, row0, qk_scale,
@@ -145,13 +153,10 @@ def _primal_overlapped(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, ac
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-    last = (n_blocks - 1) % STAGES
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
-                        is_async=True)  # fmt: skip
+    acc = _issue_pv(acc, alpha, p_op, v_smem, v_ready, n_blocks - 1, HEAD_DIM, BLOCK_N, STAGES,
+                    row_o)  # fmt: skip
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(last), count=1)
+    mbarrier.arrive(v_empty.index((n_blocks - 1) % STAGES), count=1)
     return acc, m_i, l_i
 
 
