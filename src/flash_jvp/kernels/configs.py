@@ -133,7 +133,7 @@ _H = HopperConfig
 # 64 x 128 addresses of o and o_t beside both accumulators), at BLOCK_N 64 8 bytes causal.
 HOPPER_CANDIDATES = {
     (False, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True)],
-    (False, 128): [_H(128, 2), _H(128, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True),
+    (False, 128): [_H(128, 2, True, True), _H(128, 2), _H(128, 3), _H(128, 2, o_tma=True),
                    _H(128, 2, overlap=True)],
     (True, 64): [_H(128, 2), _H(64, 3)],  # with O_TMA: 24 bytes of stack, causal
     (True, 128): [_H(32, 3, True), _H(32, 4, True), _H(32, 2, True)],
