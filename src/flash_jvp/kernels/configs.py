@@ -139,15 +139,14 @@ HOPPER_CANDIDATES = {
     (True, 128): [_H(32, 3, True), _H(32, 4, True), _H(32, 2, True)],
 }  # fmt: skip
 # One per (tangent, HEAD_DIM): the variant offered to the route, the fastest measured
-# (results/2026-12-07-h100-hopper-fwd-sweep-6f787ab.md; E=128 fwd+JVP not yet run).
+# (results/2026-12-07-h100-hopper-fwd-sweep-846c737.md, L 4096 and 8192).
 HOPPER_COMPILED = {key: variants[0] for key, variants in HOPPER_CANDIDATES.items()}
-# Those routed to it: on an H100 the primal at E=128 ran 0.99-1.13x the Triton forward's
-# speed, fwd+JVP at E=64 (BLOCK_N 128) 0.94-1.28x (below 1 only causal at L=4096); the
-# primal at E=64 0.81-0.99x, so it is not routed (results/2026-12-07-h100-hopper-fwd-bb8bea2
-# and -hopper-fwd-sweep-6f787ab). fwd+JVP at E=128 has not run on a GPU yet. Inputs TMA
-# cannot describe are copied first (_ops._descriptor), so aligned and unaligned twins give
-# the same bits (test_cases C7, C10). Changed at run time, it needs _ops.forget_configs():
-# launch plans do not see it.
+# Those routed to it, by that sweep (H100): the primal at E=128 with O_TMA and OVERLAP
+# 1.13-1.27x the Triton forward's speed, fwd+JVP at E=64 (BLOCK_N 128) 0.96-1.30x (below 1
+# only causal at L=8192, 1.26x in the sweep before). Not routed: the primal at E=64 (at best
+# 0.88-1.02x) and fwd+JVP at E=128 (0.80-1.05x). Inputs TMA cannot describe are copied first
+# (_ops._descriptor), so aligned and unaligned twins give the same bits (test_cases C7,
+# C10). Changed at run time, it needs _ops.forget_configs(): launch plans do not see it.
 HOPPER: dict[tuple[bool, int], HopperConfig] = {
     k: HOPPER_COMPILED[k] for k in [(False, 128), (True, 64)]
 }
