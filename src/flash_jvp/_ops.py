@@ -459,7 +459,7 @@ def _attn_fwd_hopper(q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, lay: _Layout, spec
         lay.H, lay.H // lay.H_KV, lay.Lq, lay.Lk,
         HEAD_DIM=lay.D, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         IS_CAUSAL=spec.causal_offset is not None, TANGENT=tangent, O_TMA=cfg.o_tma,
-        OVERLAP=cfg.overlap, num_warps=4,
+        OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.regs, num_warps=4,
     )  # fmt: skip
 
 

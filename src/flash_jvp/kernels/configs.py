@@ -117,12 +117,15 @@ class HopperConfig(NamedTuple):
     """A variant of the Gluon warp-specialised forward (kernels/fwd_hopper.py): BLOCK_N keys
     per block, STAGES ring slots for K and V (and their tangents); O_TMA: o (and o_t) stored
     through shared memory and TMA instead of per-element pointers; OVERLAP (primal only):
-    each block's softmax runs during the previous block's P V product (FA3's order)."""
+    each block's softmax runs during the previous block's P V product (FA3's order); regs:
+    registers per thread of each consumer warpgroup (setmaxnreg; the producer warp keeps 24,
+    and 2 x 128 x 240 + 32 x 24 fit the 65536 of an SM)."""
 
     block_n: int
     stages: int
     o_tma: bool = False
     overlap: bool = False
+    regs: int = 232
 
 
 _H = HopperConfig
@@ -130,23 +133,29 @@ _H = HopperConfig
 # spills (tests/test_hopper_compile.py), is checked against float64 on Hopper
 # (tests/test_hopper.py) and timed against the Triton forward (benchmarks/hopper_fwd.py
 # --sweep). fwd+JVP at E=128 needs O_TMA: with pointer stores it spills 240 bytes (the
-# 64 x 128 addresses of o and o_t beside both accumulators), at BLOCK_N 64 8 bytes causal.
+# 64 x 128 addresses of o and o_t beside both accumulators); at BLOCK_N 64 it spills 8 bytes
+# causal with 232 registers a consumer, none with 240 (as fwd+JVP at E=64 with O_TMA: 24).
+# With 232 Triton gives the first consumer (the default partition) the rest, 248; 240 gives
+# both the same.
 HOPPER_CANDIDATES = {
-    (False, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True)],
+    (False, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True),
+                  _H(128, 3, True, True)],
     (False, 128): [_H(128, 2, True, True), _H(128, 2), _H(128, 3), _H(128, 2, o_tma=True),
-                   _H(128, 2, overlap=True)],
-    (True, 64): [_H(128, 2), _H(64, 3)],  # with O_TMA: 24 bytes of stack, causal
-    (True, 128): [_H(32, 3, True), _H(32, 4, True), _H(32, 2, True)],
+                   _H(128, 2, overlap=True), _H(128, 3, True, True), _H(128, 2, True, True, 240)],
+    (True, 64): [_H(128, 2), _H(64, 3), _H(128, 2, True, regs=240), _H(128, 2, regs=240)],
+    (True, 128): [_H(64, 2, True, regs=240), _H(32, 3, True), _H(32, 4, True), _H(32, 2, True)],
 }  # fmt: skip
 # One per (tangent, HEAD_DIM): the variant offered to the route, the fastest measured
-# (results/2026-12-07-h100-hopper-fwd-sweep-846c737.md, L 4096 and 8192).
+# (results/2026-12-07-h100-hopper-fwd-sweep-846c737.md, L 4096 and 8192), except for
+# fwd+JVP at E=128 (not routed): BLOCK_N 64, the Triton forward's, not yet run.
 HOPPER_COMPILED = {key: variants[0] for key, variants in HOPPER_CANDIDATES.items()}
 # Those routed to it, by that sweep (H100): the primal at E=128 with O_TMA and OVERLAP
 # 1.13-1.27x the Triton forward's speed, fwd+JVP at E=64 (BLOCK_N 128) 0.96-1.30x (below 1
 # only causal at L=8192, 1.26x in the sweep before). Not routed: the primal at E=64 (at best
-# 0.88-1.02x) and fwd+JVP at E=128 (0.80-1.05x). Inputs TMA cannot describe are copied first
-# (_ops._descriptor), so aligned and unaligned twins give the same bits (test_cases C7,
-# C10). Changed at run time, it needs _ops.forget_configs(): launch plans do not see it.
+# 0.88-1.02x) and fwd+JVP at E=128 (0.80-1.05x at BLOCK_N 32; BLOCK_N 64 not yet run).
+# Inputs TMA cannot describe are copied first (_ops._descriptor), so aligned and unaligned
+# twins give the same bits (test_cases C7, C10). Changed at run time, it needs
+# _ops.forget_configs(): launch plans do not see it.
 HOPPER: dict[tuple[bool, int], HopperConfig] = {
     k: HOPPER_COMPILED[k] for k in [(False, 128), (True, 64)]
 }

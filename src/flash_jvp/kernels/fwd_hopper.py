@@ -21,7 +21,8 @@ expanded with a stride of 0, o under 2**31 elements (its pointer offsets are 32-
 
 Switches: O_TMA stores o (and o_t) through each consumer's Q (Q_t) slot and TMA instead of
 per-element pointers; OVERLAP (primal only) orders each consumer's products as
-FlashAttention-3 does, so a block's softmax runs during the previous block's P V.
+FlashAttention-3 does, so a block's softmax runs during the previous block's P V;
+CONSUMER_REGS: each consumer warpgroup's registers per thread (setmaxnreg).
 """
 
 from triton.experimental import gluon
@@ -291,7 +292,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
                            stride_lb, stride_lh, scale, causal_offset, H, GROUP, Lq, Lk,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            IS_CAUSAL: gl.constexpr, TANGENT: gl.constexpr,
-                           O_TMA: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
+                           O_TMA: gl.constexpr, OVERLAP: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr):  # fmt: skip
     """o (and o_t, lse, mu) of one 128-row query block of one (batch, head); see the module
     docstring. Descriptors are rank 4 over (B, H, L, E) with blocks [1, 1, rows, HEAD_DIM];
     absent tangents' descriptors are the primal's, never read (TANGENT is compile-time)."""
@@ -360,5 +362,5 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
                                BLOCK_N, STAGES, TANGENT)),
         ],
         [4, 1],
-        [232, 24],
+        [CONSUMER_REGS, 24],
     )  # fmt: skip
