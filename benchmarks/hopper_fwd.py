@@ -69,8 +69,8 @@ def sweep(lengths: list[int]) -> tuple[list[dict], list[str]]:
     """Each configs.HOPPER_CANDIDATES entry against the Triton forward (both routes' ms, same
     run, and the relative difference of their outputs: a wrong variant shows there too)."""
     rows = []
-    lines = ["| E | L | causal | mode | BLOCK_N | stages | o_tma | overlap | regs | gluon ms "
-             "| triton ms | triton / gluon | diff |", "|---" * 13 + "|"]  # fmt: skip
+    lines = ["| E | L | causal | mode | BLOCK_N | stages | o_tma | overlap | regs | consumers "
+             "| gluon ms | triton ms | triton / gluon | diff |", "|---" * 14 + "|"]  # fmt: skip
     for (tangent, E), candidates in configs.HOPPER_CANDIDATES.items():
         mode = "fwd+jvp" if tangent else "fwd"
         for L in lengths:

@@ -137,7 +137,7 @@ def hopper_reports() -> list[tuple[str, str]]:
             descs += [descs[0]] * 2  # o, o_t: blocks of 64 rows, as q's
             consts = dict(HEAD_DIM=e, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal,
                           TANGENT=tangent, O_TMA=cfg.o_tma, OVERLAP=cfg.overlap,
-                          CONSUMER_REGS=cfg.regs)  # fmt: skip
+                          CONSUMER_REGS=cfg.regs, CONSUMERS=cfg.consumers)  # fmt: skip
             sig = {}
             for p in attn_fwd_hopper_kernel.params:
                 if p.name in names:
@@ -149,8 +149,9 @@ def hopper_reports() -> list[tuple[str, str]]:
                                   GluonASTSource)  # fmt: skip
             label = f"E{e:3d} fwd_hopper{'+jvp' if tangent else ''}{' causal' if causal else ''}"
             flags = "".join(f" {f}" for f in ("o_tma", "overlap") if getattr(cfg, f))
-            if cfg.regs != configs.HopperConfig._field_defaults["regs"]:
-                flags += f" regs {cfg.regs}"
+            for f in ("regs", "consumers"):
+                if getattr(cfg, f) != configs.HopperConfig._field_defaults[f]:
+                    flags += f" {f} {getattr(cfg, f)}"
             out.append((f"{label:24} BLOCK_N {cfg.block_n} stages {cfg.stages}{flags}", res))
     return out
 

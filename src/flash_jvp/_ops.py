@@ -452,14 +452,14 @@ def _attn_fwd_hopper(q, k, v, q_t, k_t, v_t, o, o_t, lse, mu, lay: _Layout, spec
     o_t, mu = _or(o_t, o), _or(mu, lse)
     # o and o_t: fresh contiguous buffers (_empty); without O_TMA any descriptor, never read
     outs = [_descriptor(x, rows, copy=False) for x in (o, o_t)] if cfg.o_tma else primal[:2]
-    grid = (_cdiv(lay.Lq, 2 * rows), lay.B * lay.H)
+    grid = (_cdiv(lay.Lq, cfg.consumers * rows), lay.B * lay.H)
     attn_fwd_hopper_kernel[grid](
         *primal, *tangents, *outs, o, o_t, lse, mu, *o.stride()[:3], *o_t.stride()[:3],
         *_lse_strides(lse, spec).values(), spec.scale, spec.causal_offset or 0,
         lay.H, lay.H // lay.H_KV, lay.Lq, lay.Lk,
         HEAD_DIM=lay.D, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         IS_CAUSAL=spec.causal_offset is not None, TANGENT=tangent, O_TMA=cfg.o_tma,
-        OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.regs, num_warps=4,
+        OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.regs, CONSUMERS=cfg.consumers, num_warps=4,
     )  # fmt: skip
 
 

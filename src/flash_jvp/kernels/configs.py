@@ -119,13 +119,15 @@ class HopperConfig(NamedTuple):
     through shared memory and TMA instead of per-element pointers; OVERLAP (primal only):
     each block's softmax runs during the previous block's P V product (FA3's order); regs:
     registers per thread of each consumer warpgroup (setmaxnreg; the producer warp keeps 24,
-    and 2 x 128 x 240 + 32 x 24 fit the 65536 of an SM)."""
+    and consumers x 128 x regs + 32 x 24 must fit the 65536 of an SM: 240 for two, 168 for
+    three); consumers: 4-warp consumer groups of 64 query rows each (BLOCK_M = 64 x that)."""
 
     block_n: int
     stages: int
     o_tma: bool = False
     overlap: bool = False
     regs: int = 232
+    consumers: int = 2
 
 
 _H = HopperConfig
@@ -136,12 +138,16 @@ _H = HopperConfig
 # 64 x 128 addresses of o and o_t beside both accumulators); at BLOCK_N 64 it spills 8 bytes
 # causal with 232 registers a consumer, none with 240 (as fwd+JVP at E=64 with O_TMA: 24).
 # With 232 Triton gives the first consumer (the default partition) the rest, 248; 240 gives
-# both the same.
+# both the same. Three consumers (BLOCK_M 192, 168 registers each; FA3's tile at head dim
+# 64): the fwd+JVP variants spill 128-576 bytes, the primal's with OVERLAP at BLOCK_N 128
+# 16, the others listed none.
 HOPPER_CANDIDATES = {
     (False, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True),
-                  _H(128, 3, True, True)],
+                  _H(128, 3, True, True), _H(128, 2, True, False, 168, 3),
+                  _H(128, 2, False, False, 168, 3), _H(64, 2, True, True, 168, 3)],
     (False, 128): [_H(128, 2, True, True), _H(128, 2), _H(128, 3), _H(128, 2, o_tma=True),
-                   _H(128, 2, overlap=True), _H(128, 3, True, True), _H(128, 2, True, True, 240)],
+                   _H(128, 2, overlap=True), _H(128, 3, True, True), _H(128, 2, True, True, 240),
+                   _H(64, 2, True, True, 168, 3)],
     (True, 64): [_H(128, 2), _H(64, 3), _H(128, 2, True, regs=240), _H(128, 2, regs=240)],
     (True, 128): [_H(64, 2, True, regs=240), _H(32, 3, True), _H(32, 4, True), _H(32, 2, True)],
 }  # fmt: skip

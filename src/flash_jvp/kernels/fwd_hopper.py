@@ -3,13 +3,15 @@
 The same mathematics as kernels/fwd.py (FlashAttention-2 online softmax; the tangent carried
 as g = rowsum(P o S_t), its running mean mu and one centred accumulator acc_t, see there), on
 the schedule FlashAttention-3 uses on Hopper (Shah et al., 2024, sec. 3.1): per program of
-BLOCK_M = 128 query rows,
+BLOCK_M = 64 x CONSUMERS query rows,
 
 - a 1-warp producer moves Q (and Q_t) once and K, V (and K_t, V_t) block by block into
   rings of STAGES shared-memory slots with TMA, waiting on each slot's "empty" barrier;
-- two 4-warp consumers of 64 rows each wait on a slot's "ready" barrier, issue their wgmma
-  products straight from shared memory, run the softmax in registers and release the slot;
-  while one consumer is in its softmax the other's products keep the tensor cores busy.
+- CONSUMERS (2 or 3) 4-warp consumers of 64 rows each wait on a slot's "ready" barrier,
+  issue their wgmma products straight from shared memory, run the softmax in registers and
+  release the slot;
+  while one consumer is in its softmax another's products keep the tensor cores busy
+  (FlashAttention-3 runs three at head dim 64, where the softmax weighs more).
 
 Tiles move through rank-4 host tensor descriptors over the (B, H, L, E) views (any strides
 TMA accepts), so rows past Lq or Lk read as zeros and no other head's data is touched.
@@ -41,20 +43,19 @@ HALF_M = gl.constexpr(64)  # rows per consumer: one wgmma M tile of a 4-warp gro
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
-                    q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
-                    q_bar, k_ready, k_empty, v_ready, v_empty,
-                    off_b, off_h, off_hk, start_m, n_blocks,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    TANGENT: gl.constexpr):  # fmt: skip
-    """Producer: Q (and Q_t) for both consumers, then K and V (and their tangents) per key
-    block into the rings; a slot is refilled once both consumers have released it."""
+def _load_partition(args, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TANGENT: gl.constexpr,
+                    CONSUMERS: gl.constexpr):  # fmt: skip
+    """Producer: Q (and Q_t) for every consumer, then K and V (and their tangents) per key
+    block into the rings; a slot is refilled once every consumer has released it."""
+    (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
+     vt_smem, q_bar, k_ready, k_empty, v_ready, v_empty, off_b, off_h, off_hk, start_m,
+     n_blocks) = args  # fmt: skip
     q_bytes: gl.constexpr = q_desc.block_type.nbytes
     k_bytes: gl.constexpr = k_desc.block_type.nbytes
     v_bytes: gl.constexpr = v_desc.block_type.nbytes
     n_t: gl.constexpr = 2 if TANGENT else 1  # tiles per barrier: the primal's and its tangent
-    mbarrier.expect(q_bar, 2 * n_t * q_bytes)
-    for c in gl.static_range(2):
+    mbarrier.expect(q_bar, CONSUMERS * n_t * q_bytes)
+    for c in gl.static_range(CONSUMERS):
         row = start_m + c * HALF_M
         tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row, 0], q_bar, q_smem.index(c))
         if TANGENT:
@@ -162,17 +163,15 @@ def _primal_overlapped(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, ac
 
 
 @gluon.jit
-def _softmax_partition(q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
-                       q_bar, k_ready, k_empty, v_ready, v_empty,
-                       o_desc, ot_desc, O, O_T, LSE, MU,
-                       stride_ob, stride_oh, stride_om, stride_otb, stride_oth, stride_otm,
-                       stride_lb, stride_lh, off_b, off_h, start_m, n_blocks,
-                       scale, causal_offset, Lq, Lk,
-                       C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                       TANGENT: gl.constexpr, O_TMA: gl.constexpr,
-                       OVERLAP: gl.constexpr):  # fmt: skip
-    """Consumer C (0 or 1): rows start_m + C * 64 ... + 63 of the program's query block."""
+def _softmax_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, TANGENT: gl.constexpr,
+                       O_TMA: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
+    """Consumer C: rows start_m + C * 64 ... + 63 of the program's query block; ``args``: the
+    kernel's tuple of shared values (a tuple keeps no constexpr: those come one by one)."""
+    (q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_bar, k_ready, k_empty, v_ready,
+     v_empty, o_desc, ot_desc, O, O_T, LSE, MU, stride_ob, stride_oh, stride_om, stride_otb,
+     stride_oth, stride_otm, stride_lb, stride_lh, off_b, off_h, start_m, n_blocks, scale,
+     causal_offset, Lq, Lk) = args  # fmt: skip
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -293,11 +292,13 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            IS_CAUSAL: gl.constexpr, TANGENT: gl.constexpr,
                            O_TMA: gl.constexpr, OVERLAP: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr):  # fmt: skip
-    """o (and o_t, lse, mu) of one 128-row query block of one (batch, head); see the module
+                           CONSUMER_REGS: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
+    """o (and o_t, lse, mu) of one BLOCK_M-row query block of one (batch, head); see the module
     docstring. Descriptors are rank 4 over (B, H, L, E) with blocks [1, 1, rows, HEAD_DIM];
     absent tangents' descriptors are the primal's, never read (TANGENT is compile-time)."""
-    BLOCK_M: gl.constexpr = 2 * HALF_M
+    gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumers")
+    gl.static_assert(CONSUMERS * 128 * CONSUMER_REGS + 32 * 24 <= 65536, "registers")
+    BLOCK_M: gl.constexpr = CONSUMERS * HALF_M
     pid_m = gl.program_id(0)
     if IS_CAUSAL:  # longest blocks first, so the grid's last wave is its shortest
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -315,7 +316,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
         n_blocks = gl.maximum(n_blocks, 1)
 
     dtype: gl.constexpr = q_desc.dtype
-    q_shape: gl.constexpr = [2] + q_desc.block_type.shape
+    q_shape: gl.constexpr = [CONSUMERS] + q_desc.block_type.shape
     kv_shape: gl.constexpr = [STAGES] + k_desc.block_type.shape
     q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
@@ -335,32 +336,41 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)  # one arrival per consumer
-        mbarrier.init(v_empty.index(s), count=2)
+        mbarrier.init(k_empty.index(s), count=CONSUMERS)  # one arrival per consumer
+        mbarrier.init(v_empty.index(s), count=CONSUMERS)
 
-    # the argument tuples are spelled out: a concatenated tuple loses the constexprs
-    gl.warp_specialize(
-        [
-            (_softmax_partition, (q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
-                                  q_bar, k_ready, k_empty, v_ready, v_empty,
-                                  o_desc, ot_desc, O, O_T, LSE, MU, stride_ob, stride_oh,
-                                  stride_om, stride_otb, stride_oth, stride_otm, stride_lb,
-                                  stride_lh, off_b, off_h, start_m, n_blocks, scale,
-                                  causal_offset, Lq, Lk, 0, HEAD_DIM, BLOCK_N, STAGES,
-                                  IS_CAUSAL, TANGENT, O_TMA, OVERLAP)),
-            (_softmax_partition, (q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
-                                  q_bar, k_ready, k_empty, v_ready, v_empty,
-                                  o_desc, ot_desc, O, O_T, LSE, MU, stride_ob, stride_oh,
-                                  stride_om, stride_otb, stride_oth, stride_otm, stride_lb,
-                                  stride_lh, off_b, off_h, start_m, n_blocks, scale,
-                                  causal_offset, Lq, Lk, 1, HEAD_DIM, BLOCK_N, STAGES,
-                                  IS_CAUSAL, TANGENT, O_TMA, OVERLAP)),
-            (_load_partition, (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
-                               q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem,
-                               q_bar, k_ready, k_empty, v_ready, v_empty,
-                               off_b, off_h, off_hk, start_m, n_blocks,
-                               BLOCK_N, STAGES, TANGENT)),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, 24],
-    )  # fmt: skip
+    args = (q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_bar, k_ready, k_empty,
+            v_ready, v_empty, o_desc, ot_desc, O, O_T, LSE, MU, stride_ob, stride_oh,
+            stride_om, stride_otb, stride_oth, stride_otm, stride_lb, stride_lh, off_b, off_h,
+            start_m, n_blocks, scale, causal_offset, Lq, Lk)  # fmt: skip
+    load_args = (q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem,
+                 qt_smem, kt_smem, vt_smem, q_bar, k_ready, k_empty, v_ready, v_empty, off_b,
+                 off_h, off_hk, start_m, n_blocks)  # fmt: skip
+    # consumer 0 is the default partition (the kernel's 4 warps); the other consumers and the
+    # producer warp are workers. (A (function, arguments) pair cannot be a variable.)
+    if CONSUMERS == 3:
+        gl.warp_specialize(
+            [
+                (_softmax_partition, (args, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, TANGENT,
+                                      O_TMA, OVERLAP)),
+                (_softmax_partition, (args, 1, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, TANGENT,
+                                      O_TMA, OVERLAP)),
+                (_softmax_partition, (args, 2, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, TANGENT,
+                                      O_TMA, OVERLAP)),
+                (_load_partition, (load_args, BLOCK_N, STAGES, TANGENT, CONSUMERS)),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_softmax_partition, (args, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, TANGENT,
+                                      O_TMA, OVERLAP)),
+                (_softmax_partition, (args, 1, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, TANGENT,
+                                      O_TMA, OVERLAP)),
+                (_load_partition, (load_args, BLOCK_N, STAGES, TANGENT, CONSUMERS)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
