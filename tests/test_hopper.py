@@ -103,7 +103,7 @@ def test_candidates_match_float64(monkeypatch, key, cfg, shape):
     """Every variant the sweep may pick (configs.HOPPER_CANDIDATES), routed alone: o, o_t and
     the backward's gradients (through the variant's lse, or o_t) against float64; odd
     lengths, causal both alignments, a query block that sees no key (bottom-right, Lq - Lk
-    >= 128)."""
+    >= BLOCK_M, 128 or 192)."""
     E = key[1]
     Lq, Lk, kw = shape
     monkeypatch.setattr(configs, "HOPPER", {key: cfg})

@@ -117,10 +117,12 @@ class HopperConfig(NamedTuple):
     """A variant of the Gluon warp-specialised forward (kernels/fwd_hopper.py): BLOCK_N keys
     per block, STAGES ring slots for K and V (and their tangents); O_TMA: o (and o_t) stored
     through shared memory and TMA instead of per-element pointers; OVERLAP (primal only):
-    each block's softmax runs during the previous block's P V product (FA3's order); regs:
-    registers per thread of each consumer warpgroup (setmaxnreg; the producer warp keeps 24,
-    and consumers x 128 x regs + 32 x 24 must fit the 65536 of an SM: 240 for two, 168 for
-    three); consumers: 4-warp consumer groups of 64 query rows each (BLOCK_M = 64 x that)."""
+    each block's softmax runs during the previous block's P V product (FA3's order);
+    consumers: 4-warp consumer groups of 64 query rows each (BLOCK_M = 64 x that); regs:
+    registers per thread (setmaxnreg) of consumers 1.., the producer warp 24. Consumer 0 is
+    the default partition: Triton 3.6 gives it the rest of the 512 a thread's warpgroups
+    share (two consumers: 504 - regs - 24, 248 at 232, 240 at 240; three: 512 - 2 regs - 24,
+    168 at 160), which kernels/fwd_hopper.py requires to be at least regs."""
 
     block_n: int
     stages: int
@@ -137,23 +139,24 @@ _H = HopperConfig
 # --sweep). fwd+JVP at E=128 needs O_TMA: with pointer stores it spills 240 bytes (the
 # 64 x 128 addresses of o and o_t beside both accumulators); at BLOCK_N 64 it spills 8 bytes
 # causal with 232 registers a consumer, none with 240 (as fwd+JVP at E=64 with O_TMA: 24).
-# With 232 Triton gives the first consumer (the default partition) the rest, 248; 240 gives
-# both the same. Three consumers (BLOCK_M 192, 168 registers each; FA3's tile at head dim
-# 64): the fwd+JVP variants spill 128-576 bytes, the primal's with OVERLAP at BLOCK_N 128
-# 16, the others listed none.
+# With 232 consumer 0 gets 248; 240 gives both the same. Three consumers (BLOCK_M 192;
+# FA3's tile at head dim 64, with its 160 registers, consumer 0 168): the fwd+JVP variants
+# spill, the primal's listed none.
 HOPPER_CANDIDATES = {
-    (False, 64): [_H(128, 2), _H(64, 3), _H(128, 2, o_tma=True), _H(128, 2, True, True),
-                  _H(128, 3, True, True), _H(128, 2, True, False, 168, 3),
-                  _H(128, 2, False, False, 168, 3), _H(64, 2, True, True, 168, 3)],
+    (False, 64): [_H(128, 2, True, True), _H(128, 2), _H(64, 3), _H(128, 2, o_tma=True),
+                  _H(128, 3, True, True), _H(128, 2, True, False, 160, 3),
+                  _H(128, 2, False, False, 160, 3), _H(64, 2, True, True, 160, 3),
+                  _H(128, 2, True, True, 160, 3)],
     (False, 128): [_H(128, 2, True, True), _H(128, 2), _H(128, 3), _H(128, 2, o_tma=True),
                    _H(128, 2, overlap=True), _H(128, 3, True, True), _H(128, 2, True, True, 240),
-                   _H(64, 2, True, True, 168, 3)],
+                   _H(64, 2, True, True, 160, 3)],
     (True, 64): [_H(128, 2), _H(64, 3), _H(128, 2, True, regs=240), _H(128, 2, regs=240)],
     (True, 128): [_H(64, 2, True, regs=240), _H(32, 3, True), _H(32, 4, True), _H(32, 2, True)],
 }  # fmt: skip
 # One per (tangent, HEAD_DIM): the variant offered to the route, the fastest measured
-# (results/2026-12-07-h100-hopper-fwd-sweep-846c737.md, L 4096 and 8192), except for
-# fwd+JVP at E=128 (not routed): BLOCK_N 64, the Triton forward's, not yet run.
+# (results/2026-12-07-h100-hopper-fwd-sweep-846c737.md, L 4096 and 8192; the primal at
+# E=64 is not routed), except for fwd+JVP at E=128 (not routed): BLOCK_N 64, the Triton
+# forward's, not yet run.
 HOPPER_COMPILED = {key: variants[0] for key, variants in HOPPER_CANDIDATES.items()}
 # Those routed to it, by that sweep (H100): the primal at E=128 with O_TMA and OVERLAP
 # 1.13-1.27x the Triton forward's speed, fwd+JVP at E=64 (BLOCK_N 128) 0.96-1.30x (below 1

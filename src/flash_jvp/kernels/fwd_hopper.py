@@ -24,7 +24,8 @@ expanded with a stride of 0, o under 2**31 elements (its pointer offsets are 32-
 Switches: O_TMA stores o (and o_t) through each consumer's Q (Q_t) slot and TMA instead of
 per-element pointers; OVERLAP (primal only) orders each consumer's products as
 FlashAttention-3 does, so a block's softmax runs during the previous block's P V;
-CONSUMER_REGS: each consumer warpgroup's registers per thread (setmaxnreg).
+CONSUMER_REGS: registers per thread (setmaxnreg) of consumers 1.. (consumer 0, the default
+partition, gets what the others leave; see configs.HopperConfig).
 """
 
 from triton.experimental import gluon
@@ -297,7 +298,10 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc,
     docstring. Descriptors are rank 4 over (B, H, L, E) with blocks [1, 1, rows, HEAD_DIM];
     absent tangents' descriptors are the primal's, never read (TANGENT is compile-time)."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumers")
-    gl.static_assert(CONSUMERS * 128 * CONSUMER_REGS + 32 * 24 <= 65536, "registers")
+    # registers a thread's warpgroups share (the producer's padded to one), of which Triton
+    # gives consumer 0, the default partition, what the others leave (configs.HopperConfig)
+    SHARE: gl.constexpr = (CONSUMERS + 1) * (512 // (CONSUMERS + 1) // 8 * 8)
+    gl.static_assert(SHARE - (CONSUMERS - 1) * CONSUMER_REGS - 24 >= CONSUMER_REGS, "registers")
     BLOCK_M: gl.constexpr = CONSUMERS * HALF_M
     pid_m = gl.program_id(0)
     if IS_CAUSAL:  # longest blocks first, so the grid's last wave is its shortest
