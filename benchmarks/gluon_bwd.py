@@ -1,0 +1,390 @@
+"""Prototype (issue 25's backward): the primal dK/dV kernel in Gluon, warp-specialised as the
+Gluon forward (kernels/fwd_hopper.py), against our Triton dK/dV kernel (kernels/bwd.py).
+Not used by the library; a step towards a Hopper backward at cuDNN's speed.
+
+    python benchmarks/gluon_bwd.py compile            # sm_90 compile report, any machine
+    python benchmarks/gluon_bwd.py check              # dk, dv against float64 (Hopper)
+    python benchmarks/gluon_bwd.py time [--out DIR]   # against our dK/dV kernel (Hopper)
+
+Schedule, per program of 128 keys of one (batch, head) (FlashAttention-3's backward, Shah et
+al., 2024, sec. 3.1, without its dQ): a 1-warp producer loads K and V once and Q, dO block by
+block (BLOCK_M query rows) into a ring of STAGES slots with TMA; two 4-warp consumers own 64
+keys each and, per block, issue S^T = K Q^T and dP^T = V dO^T together, form
+P^T = exp(S^T - lse) and dS^T = P^T (dP^T - delta) in registers, and accumulate
+dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands. delta = rowsum(o dO)
+as kernels/bwd.py's preprocess; lse from the forward. Scope: fp16/bf16, HEAD_DIM 64 or 128,
+no mask, no GQA, dense, causal with Lq == Lk (top-left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import json
+import os
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+HALF_N = gl.constexpr(64)  # keys per consumer: one wgmma M tile of a 4-warp group
+
+
+@gluon.jit
+def _load_partition(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Producer: K and V of both consumers once, then Q and dO per query block."""
+    (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar, q_ready,
+     q_empty, off_b, off_h, start_n, lo, n_m) = args  # fmt: skip
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(2):
+        key = start_n + c * HALF_N
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_h, key, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_h, key, 0], kv_bar, v_smem.index(c))
+    block_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    for j in range(n_m):
+        s = j % STAGES
+        # a fresh barrier counts as released once (parity 1), so the first round passes
+        mbarrier.wait(q_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(s), block_bytes)
+        row = (lo + j) * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row, 0], q_ready.index(s),
+                                        q_smem.index(s))  # fmt: skip
+        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row, 0], q_ready.index(s),
+                                        do_smem.index(s))  # fmt: skip
+
+
+@gluon.jit
+def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr):  # fmt: skip
+    """Consumer C: keys start_n + C * 64 ... + 63; dk (scaled) and dv stored at the end; with
+    DQ, also this block's dS K added into DQ (float32, unscaled) by atomics."""
+    (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty, LSE, DELTA, DK, DV,
+     DQ_ACC, stride_lb, stride_lh, stride_kb, stride_kh, stride_kn, stride_qb, stride_qh,
+     stride_qm, off_b, off_h, start_n, lo, n_m, scale, Lq, Lk) = args  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # along queries
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # along keys
+    dtype: gl.constexpr = q_smem.dtype
+
+    qk_scale = scale * LOG2E
+    key0 = start_n + C * HALF_N
+    offs_n = key0 + gl.arange(0, HALF_N, layout=row_s)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=o_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+    row_base = off_b * stride_lb + off_h * stride_lh
+    if DQ:
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        dq_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
+        dq_base = off_b * stride_qb + off_h * stride_qh
+
+    mbarrier.wait(kv_bar, 0)
+    k = k_smem.index(C).reshape([HALF_N, HEAD_DIM])
+    v = v_smem.index(C).reshape([HALF_N, HEAD_DIM])
+    for j in range(n_m):
+        s = j % STAGES
+        offs_m = (lo + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+        # rows past Lq: lse +inf, so P = 0 there (their q and dO read as zeros)
+        lse = gl.load(LSE + row_base + offs_m, mask=offs_m < Lq, other=float("inf"))
+        delta = gl.load(DELTA + row_base + offs_m, mask=offs_m < Lq, other=0.0)
+        mbarrier.wait(q_ready.index(s), (j // STAGES) & 1)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse * LOG2E, 0))
+        if key0 + HALF_N > Lk:  # keys past Lk (zero-filled): P = 0, as dq reads dS there
+            p_t = gl.where(gl.expand_dims(offs_n < Lk, 1), p_t, 0.0)
+        # causal: key j is seen by queries i >= j only; only the blocks that cross the
+        # diagonal pay for the select
+        if IS_CAUSAL and (lo + j) * BLOCK_M < key0 + HALF_N - 1:
+            keep = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0)
+            p_t = gl.where(keep, p_t, 0.0)
+        # dV's product is issued first, so dS^T is formed while the tensor cores run it
+        p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+        dv = warpgroup_mma(p_op, do, dv, is_async=True)
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        if DQ:  # dS (this block's rows) K: dS^T through shared memory, read transposed
+            ds_slot = ds_smem.index(C)
+            ds_slot.store(ds_t.to(dtype))
+            fence_async_shared()
+            dq = warpgroup_mma(ds_slot.permute((1, 0)), k, dq_zero, use_acc=False,
+                               is_async=True)  # fmt: skip
+            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+            mbarrier.arrive(q_empty.index(s), count=1)
+            rows_q = (lo + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+            dq_ptrs = DQ_ACC + dq_base + gl.expand_dims(rows_q, 1) * stride_qm + dq_cols
+            gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(rows_q < Lq, 1), sem="relaxed")
+        else:
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(s), count=1)
+
+    rows = key0 + gl.arange(0, HALF_N, layout=row_o)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    offs = gl.expand_dims(rows, 1) * stride_kn + gl.expand_dims(cols, 0)
+    base = off_b * stride_kb + off_h * stride_kh
+    keep_rows = gl.expand_dims(rows < Lk, 1)
+    gl.store(DK + base + offs, (dk * scale).to(dtype), mask=keep_rows)
+    gl.store(DV + base + offs, dv.to(dtype), mask=keep_rows)
+
+
+@gluon.jit
+def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ_ACC,
+                                stride_lb, stride_lh, stride_kb, stride_kh, stride_kn,
+                                stride_qb, stride_qh, stride_qm, scale, H, Lq, Lk,
+                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                                STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                                DQ: gl.constexpr):  # fmt: skip
+    """dk, dv (and with DQ their programs' shares of dq) of 128 keys of one (batch, head); see
+    the module docstring. Descriptors are rank 4 over (B, H, L, E): q and do in blocks of
+    BLOCK_M rows, k and v of 64."""
+    start_n = gl.program_id(0) * 2 * HALF_N
+    off_bh = gl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    lo = 0
+    if IS_CAUSAL:  # the first query block that sees one of these keys
+        lo = start_n // BLOCK_M
+    n_m = gl.cdiv(Lq, BLOCK_M) - lo
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_shape: gl.constexpr = [STAGES] + q_desc.block_type.shape
+    kv_shape: gl.constexpr = [2] + k_desc.block_type.shape
+    q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 if DQ else 1, HALF_N, BLOCK_M], ds_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=2)  # one arrival per consumer
+
+    args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty, LSE, DELTA,
+            DK, DV, DQ_ACC, stride_lb, stride_lh, stride_kb, stride_kh, stride_kn, stride_qb,
+            stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m, scale, Lq, Lk)  # fmt: skip
+    load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
+                 q_ready, q_empty, off_b, off_h, start_n, lo, n_m)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_dkdv_partition, (args, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ)),
+            (_dkdv_partition, (args, 1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ)),
+            (_load_partition, (load_args, BLOCK_M, STAGES)),
+        ],
+        [4, 1],
+        [240, 24],
+    )  # fmt: skip
+
+
+# (HEAD_DIM, BLOCK_M, STAGES, DQ); E=128 at BLOCK_M 64 spills 144-160 bytes.
+# DQ (E=64 only: dq's product needs 64 query rows a warpgroup): dq through fp32 atomics
+VARIANTS = [(64, 64, 2, False), (64, 64, 3, False), (128, 32, 2, False), (128, 32, 3, False),
+            (64, 64, 2, True)]  # fmt: skip
+
+
+def dkdv(q, k, v, do, lse, delta, scale, causal, block_m, stages, dq=False):
+    """dk, dv (and dq with ``dq``, else None) by the Gluon kernel; (B, H, L, E) contiguous
+    fp16/bf16, lse and delta (B, H, L) float32."""
+    from flash_jvp._ops import _descriptor
+
+    B, H, Lq, E = q.shape
+    Lk = k.shape[2]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq else lse
+    descs = [_descriptor(q, block_m), _descriptor(k, 64), _descriptor(v, 64),
+             _descriptor(do, block_m)]  # fmt: skip
+    grid = (_cdiv(Lk, 128), B * H)
+    attn_bwd_dkdv_hopper_kernel[grid](
+        *descs, lse, delta, dk, dv, dq_acc, lse.stride(0), lse.stride(1), *dk.stride()[:3],
+        *(dq_acc.stride()[:3] if dq else (0, 0, 0)), scale, H, Lq, Lk, HEAD_DIM=E,
+        BLOCK_M=block_m, STAGES=stages, IS_CAUSAL=causal, DQ=dq, num_warps=4,
+    )  # fmt: skip
+    return dk, dv, (dq_acc * scale).to(q.dtype) if dq else None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _inputs(B, H, L, E, dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    return [torch.randn(B, H, L, E, device="cuda", dtype=dtype) for _ in range(4)]
+
+
+def _stats(q, k, v, do, causal):
+    import flash_jvp
+
+    o, lse = flash_jvp.attention_with_lse(q, k, v, is_causal=causal)
+    delta = (o.float() * do.float()).sum(-1)
+    return lse.contiguous(), delta.contiguous()
+
+
+POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "DQ_ACC": "*fp32",
+            "scale": "fp32"}  # fmt: skip
+
+
+def compile_report() -> int:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import compile_sm90
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flash_jvp._ops import _descriptor
+
+    for E, block_m, stages, dq in VARIANTS:
+        x = torch.empty(2, 4, 1024, E, dtype=torch.bfloat16)
+        descs = dict(q_desc=_descriptor(x, block_m), k_desc=_descriptor(x, 64),
+                     v_desc=_descriptor(x, 64), do_desc=_descriptor(x, block_m))  # fmt: skip
+        for causal in (False, True):
+            sig = {}
+            for p in attn_bwd_dkdv_hopper_kernel.params:
+                if p.name in descs:
+                    sig[p.name] = native_specialize_impl(BaseBackend, descs[p.name], False, True,
+                                                         True)[0]  # fmt: skip
+                elif p.is_constexpr:
+                    sig[p.name] = "constexpr"
+                else:
+                    sig[p.name] = POINTERS.get(p.name, "i32")
+            consts = dict(HEAD_DIM=E, BLOCK_M=block_m, STAGES=stages, IS_CAUSAL=causal, DQ=dq)
+            res = compile_sm90._compile_report(attn_bwd_dkdv_hopper_kernel, sig, consts, {},
+                                               {"num_warps": 4}, GluonASTSource)  # fmt: skip
+            print(f"E{E:3d} BLOCK_M {block_m:3d} stages {stages} dq {dq!s:5} causal {causal!s:5}:"
+                  f" {res}")  # fmt: skip
+    return 0
+
+
+def _grads(q, k, v, do, causal, dtype=None):
+    """dq, dk, dv: in float64 through torch's math attention (``dtype`` float64), else
+    flash_jvp's in the inputs' dtype."""
+    import flash_jvp
+
+    q, k, v = (x.to(dtype or x.dtype).requires_grad_() for x in (q, k, v))
+    f = torch.nn.functional.scaled_dot_product_attention if dtype else flash_jvp.attention
+    o = f(q, k, v, is_causal=causal)
+    return torch.autograd.grad(o, (q, k, v), do.to(o.dtype))
+
+
+def _rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def run_check() -> int:
+    """dk, dv (and dq) of every variant against float64, beside our Triton backward's error in
+    the same dtype (the bar: 2x that + 4e-3, as tests/helpers.py's bf16 tolerance); the
+    outputs are poisoned (NaN) before the call, so an unwritten row fails."""
+    ok = True
+    for E, block_m, stages, with_dq in VARIANTS:
+        for L, causal in ((1000, False), (1024, True), (777, True), (2048, False)):
+            q, k, v, do = _inputs(2, 4, L, E)
+            lse, delta = _stats(q, k, v, do, causal)
+            torch.empty(1 << 28, device="cuda").fill_(float("nan"))  # poisons the allocator
+            dk, dv, dq = dkdv(q, k, v, do, lse, delta, E**-0.5, causal, block_m, stages, with_dq)
+            ref = _grads(q, k, v, do, causal, torch.float64)
+            ours = _grads(q, k, v, do, causal)
+            first = 0 if with_dq else 1  # dq is checked only where the kernel gives it
+            names, ref, ours = ("dq", "dk", "dv")[first:], ref[first:], ours[first:]
+            errs = [_rel(x, r) for x, r in zip((dq, dk, dv)[first:], ref)]
+            bars = [2 * _rel(x, r) + 4e-3 for x, r in zip(ours, ref)]
+            good = all(e <= b for e, b in zip(errs, bars))
+            ok &= good
+            cells = " ".join(f"{n} {e:.1e} (bar {b:.1e})" for n, e, b in zip(names, errs, bars))
+            print(f"E{E} BLOCK_M {block_m} stages {stages} dq {with_dq} L{L} causal {causal}: "
+                  f"{cells} {'pass' if good else 'FAIL'}", flush=True)  # fmt: skip
+    return 0 if ok else 1
+
+
+def _triton_bwd_ms(q, k, v, do, causal) -> tuple[float, float]:
+    """Our Triton dK/dV and dQ kernels' times inside flash_jvp's backward (profiler, mean of
+    10 runs)."""
+    import flash_jvp
+
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    o = flash_jvp.attention(qq, kk, vv, is_causal=causal)
+    run = lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            run()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    return tuple(sum(e.device_time_total for e in events if name in e.key) / 10 / 1000
+                 for name in ("bwd_dkdv", "bwd_dq"))  # fmt: skip
+
+
+def run_time(out: str | None) -> int:
+    from triton.testing import do_bench
+
+    from flash_jvp._env import environment
+
+    # with DQ the Gluon kernel replaces both Triton kernels: its time against their sum
+    rows, lines = [], ["| E | L | causal | BLOCK_M | stages | dq | gluon ms | triton dK/dV ms "
+                       "| triton dQ ms | triton / gluon |", "|---" * 10 + "|"]  # fmt: skip
+    for E, block_m, stages, with_dq in VARIANTS:
+        H = 16 if E == 64 else 8
+        for L in (4096, 8192):
+            for causal in (False, True):
+                q, k, v, do = _inputs(4, H, L, E)
+                lse, delta = _stats(q, k, v, do, causal)
+                ms = do_bench(functools.partial(dkdv, q, k, v, do, lse, delta, E**-0.5, causal,
+                                                block_m, stages, with_dq))  # fmt: skip
+                dkdv_ms, dq_ms = _triton_bwd_ms(q, k, v, do, causal)
+                ref = dkdv_ms + (dq_ms if with_dq else 0.0)
+                rows.append(dict(E=E, L=L, causal=causal, BLOCK_M=block_m, stages=stages,
+                                 dq=with_dq, gluon_ms=ms, triton_dkdv_ms=dkdv_ms,
+                                 triton_dq_ms=dq_ms))  # fmt: skip
+                cells = (E, L, causal, block_m, stages, with_dq, f"{ms:.3f}", f"{dkdv_ms:.3f}",
+                         f"{dq_ms:.3f}", f"{ref / ms:.3f}")  # fmt: skip
+                lines.append("| " + " | ".join(map(str, cells)) + " |")
+                print(lines[-1], flush=True)
+    if out:
+        env = environment()
+        stem = os.path.join(out, f"{dt.date.today()}-gluon-bwd-dkdv")
+        with open(stem + ".json", "w") as f:
+            json.dump(dict(environment=env, rows=rows), f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write("# Gluon dK/dV vs Triton dK/dV\n\n" + json.dumps(env) + "\n\n")
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["compile", "check", "time"])
+    parser.add_argument("--out", default=None, help="folder for the time mode's .json/.md")
+    args = parser.parse_args()
+    if args.mode == "compile":
+        return compile_report()
+    if args.mode == "check":
+        return run_check()
+    return run_time(args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
