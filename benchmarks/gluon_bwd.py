@@ -36,7 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-LOG2E = gl.constexpr(1.4426950408889634)
+from flash_jvp.kernels.fwd_hopper import LOG2E
+
 HALF_N = gl.constexpr(64)  # keys per consumer: one wgmma M tile of a 4-warp group
 
 
