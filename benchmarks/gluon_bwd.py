@@ -214,7 +214,7 @@ VARIANTS = [(64, 64, 2, False), (64, 64, 3, False), (128, 32, 2, False), (128, 3
 def dkdv(q, k, v, do, lse, delta, scale, causal, block_m, stages, dq=False, poison=False):
     """dk, dv (and dq with ``dq``, else None) by the Gluon kernel; (B, H, L, E) contiguous
     fp16/bf16, lse and delta (B, H, L) float32. ``poison``: dk and dv start as NaN."""
-    from flash_jvp._ops import _descriptor
+    from flash_jvp._ops import _cdiv, _descriptor
 
     B, H, Lq, E = q.shape
     Lk = k.shape[2]
@@ -231,10 +231,6 @@ def dkdv(q, k, v, do, lse, delta, scale, causal, block_m, stages, dq=False, pois
         BLOCK_M=block_m, STAGES=stages, IS_CAUSAL=causal, DQ=dq, num_warps=4,
     )  # fmt: skip
     return dk, dv, (dq_acc * scale).to(q.dtype) if dq else None
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _inputs(B, H, L, E, dtype=torch.bfloat16, seed=0):

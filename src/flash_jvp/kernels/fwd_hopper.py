@@ -9,9 +9,8 @@ BLOCK_M = 64 x CONSUMERS query rows,
   rings of STAGES shared-memory slots with TMA, waiting on each slot's "empty" barrier;
 - CONSUMERS (2 or 3) 4-warp consumers of 64 rows each wait on a slot's "ready" barrier,
   issue their wgmma products straight from shared memory, run the softmax in registers and
-  release the slot;
-  while one consumer is in its softmax another's products keep the tensor cores busy
-  (FlashAttention-3 runs three at head dim 64, where the softmax weighs more).
+  release the slot; while one consumer is in its softmax another's products keep the tensor
+  cores busy (FlashAttention-3 runs three at head dim 64, where the softmax weighs more).
 
 Tiles move through rank-4 host tensor descriptors over the (B, H, L, E) views (any strides
 TMA accepts), so rows past Lq or Lk read as zeros and no other head's data is touched.
