@@ -143,9 +143,9 @@ _H = HopperConfig
 # FA3's tile at head dim 64, with its 160 registers, consumer 0 168): the fwd+JVP variants
 # spill, the primal's listed none.
 HOPPER_CANDIDATES = {
-    (False, 64): [_H(128, 2, True, True), _H(128, 2), _H(64, 3), _H(128, 2, o_tma=True),
-                  _H(128, 3, True, True), _H(128, 2, True, False, 160, 3),
-                  _H(128, 2, False, False, 160, 3), _H(64, 2, True, True, 160, 3),
+    (False, 64): [_H(128, 2, False, False, 160, 3), _H(128, 2, True, True), _H(128, 2),
+                  _H(64, 3), _H(128, 2, o_tma=True), _H(128, 3, True, True),
+                  _H(128, 2, True, False, 160, 3), _H(64, 2, True, True, 160, 3),
                   _H(128, 2, True, True, 160, 3)],
     (False, 128): [_H(128, 2, True, True), _H(128, 2), _H(128, 3), _H(128, 2, o_tma=True),
                    _H(128, 2, overlap=True), _H(128, 3, True, True), _H(128, 2, True, True, 240),
@@ -154,20 +154,19 @@ HOPPER_CANDIDATES = {
     (True, 128): [_H(64, 2, True, regs=240), _H(32, 3, True), _H(32, 4, True), _H(32, 2, True)],
 }  # fmt: skip
 # One per (tangent, HEAD_DIM): the variant offered to the route, the fastest measured
-# (results/2026-12-07-h100-hopper-fwd-sweep-846c737.md, L 4096 and 8192; the primal at
-# E=64 is not routed), except for fwd+JVP at E=128 (not routed): BLOCK_N 64, the Triton
-# forward's, not yet run.
+# (results/2026-12-07-h100-hopper-fwd-sweep-80271b7.md, L 4096 and 8192).
 HOPPER_COMPILED = {key: variants[0] for key, variants in HOPPER_CANDIDATES.items()}
-# Those routed to it, by that sweep (H100): the primal at E=128 with O_TMA and OVERLAP
-# 1.13-1.27x the Triton forward's speed, fwd+JVP at E=64 (BLOCK_N 128) 0.96-1.30x (below 1
-# only causal at L=8192, 1.26x in the sweep before). Not routed: the primal at E=64 (at best
-# 0.88-1.02x) and fwd+JVP at E=128 (0.80-1.05x at BLOCK_N 32; BLOCK_N 64 not yet run).
+# Those routed to it, by the sweeps (H100), triton time / gluon time at L 4096 / 8192,
+# non-causal then causal: the primal at E=64 with three consumers (BLOCK_M 192) 1.00 /
+# 1.14, 0.91 / 1.07 (two consumers at best 0.88-1.02); the primal at E=128 with O_TMA and
+# OVERLAP 1.13-1.27x in the 846c737 sweep (causal L=4096 0.71 in the 80271b7 one, where
+# the 240-register twin gave 0.53: a spread at 0.3 ms); fwd+JVP at E=64 (BLOCK_N 128)
+# 1.19 / 1.17, 1.18 / 1.26; fwd+JVP at E=128 (BLOCK_N 64, O_TMA, 240 registers) 1.10 /
+# 1.10, 0.77 / 1.18 (BLOCK_N 32: 0.77-0.99).
 # Inputs TMA cannot describe are copied first (_ops._descriptor), so aligned and unaligned
 # twins give the same bits (test_cases C7, C10). Changed at run time, it needs
 # _ops.forget_configs(): launch plans do not see it.
-HOPPER: dict[tuple[bool, int], HopperConfig] = {
-    k: HOPPER_COMPILED[k] for k in [(False, 128), (True, 64)]
-}
+HOPPER: dict[tuple[bool, int], HopperConfig] = dict(HOPPER_COMPILED)
 # Only past this many keys: a program's fixed cost (barriers, partitions) weighs on short rows.
 HOPPER_MIN_LK = SHORT_LK
 
