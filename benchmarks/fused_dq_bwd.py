@@ -31,6 +31,8 @@ import triton.language as tl
 from gluon_bwd import _grads, _inputs, _rel, _stats, _triton_bwd_ms
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def _fused_inner(dk, dv, k, v, q_desc, do_desc, dq_desc, LSE, DELTA, row_base, offs_n, off_b,
@@ -42,7 +44,8 @@ def _fused_inner(dk, dv, k, v, q_desc, do_desc, dq_desc, LSE, DELTA, row_base, o
         q = q_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
         do = do_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
         # rows past Lq: lse +inf makes their P^T column 0 (TMA fills q, do with zeros)
-        lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Lq, other=float("inf"))
+        # natural-log lse (flash_jvp.attention_with_lse) to exp2 units
+        lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Lq, other=float("inf")) * LOG2E
         delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < Lq, other=0.0)
         qkT = tl.dot(k, tl.trans(q)) * qk_scale
         if MASK:
@@ -69,7 +72,7 @@ def attn_bwd_fused_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, 
     start_n = tl.program_id(0) * BLOCK_N
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H
-    qk_scale = scale * 1.4426950408889634  # exp2 units, as the forward's lse
+    qk_scale = scale * LOG2E
     k = k_desc.load([off_b, off_h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     v = v_desc.load([off_b, off_h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     offs_n = start_n + tl.arange(0, BLOCK_N)
