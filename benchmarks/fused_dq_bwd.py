@@ -11,9 +11,13 @@ program of BLOCK_N keys already holds dS^T for each query block; dq += dS K is o
 GEMM, summed over key blocks in a float32 buffer by ``cp.reduce.async.bulk`` (Triton's
 ``tensor_descriptor.atomic_add``, a TMA reduction into L2), as FlashAttention-3's backward
 (Shah et al., 2024, sec. 3.1). The benchmarks/gluon_bwd.py DQ variant added dq element by
-element with fp32 atomics: 2.6x slower than our two kernels (results/2026-12-07-h100-gluon-
-bwd-dkdv-80271b7.md). Scope: fp16/bf16, HEAD_DIM 64 or 128, no mask, no GQA, dense,
+element with fp32 atomics: 0.59-0.67x our two kernels' speed (results/2026-12-07-h100-
+gluon-bwd-dkdv-80271b7.md). Scope: fp16/bf16, HEAD_DIM 64 or 128, no mask, no GQA, dense,
 causal with Lq == Lk (top-left).
+
+Measured on an H100 (results/2026-12-07-h100-fused-dq-bwd-6818dfa.md): as accurate as ours,
+0.46-0.89x our two kernels' speed; the best variant per head dim 0.77-0.88x (benchmarks/
+NOTES.md, twenty-fifth session).
 """
 
 from __future__ import annotations
