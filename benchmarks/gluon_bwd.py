@@ -14,6 +14,12 @@ P^T = exp(S^T - lse) and dS^T = P^T (dP^T - delta) in registers, and accumulate
 dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands. delta = rowsum(o dO)
 as kernels/bwd.py's preprocess; lse from the forward. Scope: fp16/bf16, HEAD_DIM 64 or 128,
 no mask, no GQA, dense, causal with Lq == Lk (top-left).
+
+That schedule ran 0.93-1.10x our dK/dV kernel's speed on an H100: each consumer waits for
+its own products before the element-wise work that reads them, so only the other consumer
+fills the tensor cores meanwhile. OVERLAP (not yet run) issues block j's S^T and dP^T ahead
+of block j-1's dV and dK products and forms block j's P^T and dS^T while those run, as the
+forward's OVERLAP does for P V.
 """
 
 from __future__ import annotations
@@ -65,10 +71,87 @@ def _load_partition(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M: gl.constexpr, col_s: gl.constexpr):
+    """Query block lo + j's offsets, lse and delta; rows past Lq: lse +inf, so P = 0 there
+    (their q and dO read as zeros)."""
+    offs_m = (lo + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+    lse = gl.load(LSE + row_base + offs_m, mask=offs_m < Lq, other=float("inf"))
+    delta = gl.load(DELTA + row_base + offs_m, mask=offs_m < Lq, other=0.0)
+    return offs_m, lse, delta
+
+
+@gluon.jit
+def _probs(s_t, offs_m, lse, offs_n, key0, block_row0, qk_scale, Lk,
+           BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):  # fmt: skip
+    """P^T of one query block from S^T."""
+    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse * LOG2E, 0))
+    if key0 + HALF_N > Lk:  # keys past Lk (zero-filled): P = 0, as dq reads dS there
+        p_t = gl.where(gl.expand_dims(offs_n < Lk, 1), p_t, 0.0)
+    # causal: key j is seen by queries i >= j only; only the blocks that cross the diagonal
+    # pay for the select
+    if IS_CAUSAL and block_row0 < key0 + HALF_N - 1:
+        keep = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0)
+        p_t = gl.where(keep, p_t, 0.0)
+    return p_t
+
+
+@gluon.jit
+def _dkdv_overlapped(k, v, q_smem, do_smem, q_ready, q_empty, dk, dv, s_zero, LSE, DELTA,
+                     row_base, offs_n, key0, lo, n_m, qk_scale, Lq, Lk, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                     col_s: gl.constexpr, a_layout: gl.constexpr):  # fmt: skip
+    """The query loop in the order of the forward's OVERLAP (FlashAttention-3, sec. 3.2):
+    block j's S^T and dP^T are issued before block j-1's dV and dK products, so block j's
+    P^T and dS^T are formed while the tensor cores run those. Needs n_m >= 1; a q/dO slot is
+    released one block later than in the plain loop."""
+    dtype: gl.constexpr = q_smem.dtype
+    offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, 0, lo, Lq, BLOCK_M, col_s)
+    mbarrier.wait(q_ready.index(0), 0)
+    q = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+    do = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+    s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+    p_t = _probs(s_t, offs_m, lse, offs_n, key0, lo * BLOCK_M, qk_scale, Lk, BLOCK_M, IS_CAUSAL)
+    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
+    for j in range(1, n_m):
+        s = j % STAGES
+        prev = (j - 1) % STAGES
+        offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M, col_s)
+        mbarrier.wait(q_ready.index(s), (j // STAGES) & 1)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dv = warpgroup_mma(p_op, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv,
+                           is_async=True)  # fmt: skip
+        dk = warpgroup_mma(ds_op, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk,
+                           is_async=True)  # fmt: skip
+        s_t, dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(s_t, dp_t))
+        p_t = _probs(s_t, offs_m, lse, offs_n, key0, (lo + j) * BLOCK_M, qk_scale, Lk, BLOCK_M,
+                     IS_CAUSAL)  # fmt: skip
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(q_empty.index(prev), count=1)
+        p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+        ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
+    last = (n_m - 1) % STAGES
+    dv = warpgroup_mma(p_op, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
+    dk = warpgroup_mma(ds_op, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    mbarrier.arrive(q_empty.index(last), count=1)
+    return dk, dv
+
+
+@gluon.jit
 def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr):  # fmt: skip
+                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
+                    OVERLAP: gl.constexpr):  # fmt: skip
     """Consumer C: keys start_n + C * 64 ... + 63; dk (scaled) and dv stored at the end; with
-    DQ, also this block's dS K added into DQ (float32, unscaled) by atomics."""
+    DQ, also this block's dS K added into DQ (float32, unscaled) by atomics; OVERLAP: the
+    loop of _dkdv_overlapped (without DQ)."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty, LSE, DELTA, DK, DV,
      DQ_ACC, stride_lb, stride_lh, stride_kb, stride_kh, stride_kn, stride_qb, stride_qh,
      stride_qm, off_b, off_h, start_n, lo, n_m, scale, Lq, Lk) = args  # fmt: skip
@@ -99,46 +182,44 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
     mbarrier.wait(kv_bar, 0)
     k = k_smem.index(C).reshape([HALF_N, HEAD_DIM])
     v = v_smem.index(C).reshape([HALF_N, HEAD_DIM])
-    for j in range(n_m):
-        s = j % STAGES
-        offs_m = (lo + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
-        # rows past Lq: lse +inf, so P = 0 there (their q and dO read as zeros)
-        lse = gl.load(LSE + row_base + offs_m, mask=offs_m < Lq, other=float("inf"))
-        delta = gl.load(DELTA + row_base + offs_m, mask=offs_m < Lq, other=0.0)
-        mbarrier.wait(q_ready.index(s), (j // STAGES) & 1)
-        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-        s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
-        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse * LOG2E, 0))
-        if key0 + HALF_N > Lk:  # keys past Lk (zero-filled): P = 0, as dq reads dS there
-            p_t = gl.where(gl.expand_dims(offs_n < Lk, 1), p_t, 0.0)
-        # causal: key j is seen by queries i >= j only; only the blocks that cross the
-        # diagonal pay for the select
-        if IS_CAUSAL and (lo + j) * BLOCK_M < key0 + HALF_N - 1:
-            keep = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0)
-            p_t = gl.where(keep, p_t, 0.0)
-        # dV's product is issued first, so dS^T is formed while the tensor cores run it
-        p_op = gl.convert_layout(p_t.to(dtype), a_layout)
-        dv = warpgroup_mma(p_op, do, dv, is_async=True)
-        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-        ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
-        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-        if DQ:  # dS (this block's rows) K: dS^T through shared memory, read transposed
-            ds_slot = ds_smem.index(C)
-            ds_slot.store(ds_t.to(dtype))
-            fence_async_shared()
-            dq = warpgroup_mma(ds_slot.permute((1, 0)), k, dq_zero, use_acc=False,
-                               is_async=True)  # fmt: skip
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-            mbarrier.arrive(q_empty.index(s), count=1)
-            rows_q = (lo + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-            dq_ptrs = DQ_ACC + dq_base + gl.expand_dims(rows_q, 1) * stride_qm + dq_cols
-            gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(rows_q < Lq, 1), sem="relaxed")
-        else:
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            mbarrier.arrive(q_empty.index(s), count=1)
+    if OVERLAP:
+        gl.static_assert(not DQ, "OVERLAP is for dK/dV only")
+        dk, dv = _dkdv_overlapped(k, v, q_smem, do_smem, q_ready, q_empty, dk, dv, s_zero, LSE,
+                                  DELTA, row_base, offs_n, key0, lo, n_m, qk_scale, Lq, Lk,
+                                  HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, col_s,
+                                  a_layout)  # fmt: skip
+    else:
+        for j in range(n_m):
+            s = j % STAGES
+            offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M, col_s)
+            mbarrier.wait(q_ready.index(s), (j // STAGES) & 1)
+            q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+            do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+            s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+            p_t = _probs(s_t, offs_m, lse, offs_n, key0, (lo + j) * BLOCK_M, qk_scale, Lk,
+                         BLOCK_M, IS_CAUSAL)  # fmt: skip
+            # dV's product is issued first, so dS^T is formed while the tensor cores run it
+            p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+            dv = warpgroup_mma(p_op, do, dv, is_async=True)
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            if DQ:  # dS (this block's rows) K: dS^T through shared memory, read transposed
+                ds_slot = ds_smem.index(C)
+                ds_slot.store(ds_t.to(dtype))
+                fence_async_shared()
+                dq = warpgroup_mma(ds_slot.permute((1, 0)), k, dq_zero, use_acc=False,
+                                   is_async=True)  # fmt: skip
+                dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                mbarrier.arrive(q_empty.index(s), count=1)
+                rows_q = (lo + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+                dq_ptrs = DQ_ACC + dq_base + gl.expand_dims(rows_q, 1) * stride_qm + dq_cols
+                gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(rows_q < Lq, 1), sem="relaxed")
+            else:
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                mbarrier.arrive(q_empty.index(s), count=1)
 
     rows = key0 + gl.arange(0, HALF_N, layout=row_o)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -155,7 +236,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK,
                                 stride_qb, stride_qh, stride_qm, scale, H, Lq, Lk,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                                DQ: gl.constexpr):  # fmt: skip
+                                DQ: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
     """dk, dv (and with DQ their programs' shares of dq) of 128 keys of one (batch, head); see
     the module docstring. Descriptors are rank 4 over (B, H, L, E): q and do in blocks of
     BLOCK_M rows, k and v of 64."""
@@ -196,8 +277,8 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK,
                  q_ready, q_empty, off_b, off_h, start_n, lo, n_m)  # fmt: skip
     gl.warp_specialize(
         [
-            (_dkdv_partition, (args, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ)),
-            (_dkdv_partition, (args, 1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ)),
+            (_dkdv_partition, (args, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ, OVERLAP)),
+            (_dkdv_partition, (args, 1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ, OVERLAP)),
             (_load_partition, (load_args, BLOCK_M, STAGES)),
         ],
         [4, 1],
@@ -205,18 +286,24 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK,
     )  # fmt: skip
 
 
-# (HEAD_DIM, BLOCK_M, STAGES, DQ); E=128 at BLOCK_M 64 spills 144-160 bytes.
-# DQ (E=64 only: dq's product needs 64 query rows a warpgroup): dq through fp32 atomics
-VARIANTS = [(64, 64, 2, False), (64, 64, 3, False), (128, 32, 2, False), (128, 32, 3, False),
-            (64, 64, 2, True)]  # fmt: skip
+# (HEAD_DIM, BLOCK_M, STAGES, DQ, OVERLAP); E=128 at BLOCK_M 64 spills 144-160 bytes.
+# DQ (E=64 only: dq's product needs 64 query rows a warpgroup): dq through fp32 atomics.
+# On an H100 (results/2026-12-07-h100-gluon-bwd-dkdv-80271b7.md) the plain loop ran
+# 0.93-1.10x our dK/dV kernel's speed at either stage count, DQ 0.59-0.67x dK/dV + dQ.
+# OVERLAP (not yet run): no spill at E=64; E=128 causal 328 bytes (88 without).
+VARIANTS = [(64, 64, 2, False, False), (64, 64, 2, False, True), (64, 64, 3, False, True),
+            (128, 32, 2, False, False), (128, 32, 2, False, True),
+            (64, 64, 2, True, False)]  # fmt: skip
 
 
-def dkdv(q, k, v, do, lse, delta, scale, causal, block_m, stages, dq=False, poison=False):
-    """dk, dv (and dq with ``dq``, else None) by the Gluon kernel; (B, H, L, E) contiguous
-    fp16/bf16, lse and delta (B, H, L) float32. ``poison``: dk and dv start as NaN."""
+def dkdv(q, k, v, do, lse, delta, scale, causal, variant, poison=False):
+    """dk, dv (and dq with the variant's DQ, else None) by the Gluon kernel; (B, H, L, E)
+    contiguous fp16/bf16, lse and delta (B, H, L) float32. ``poison``: dk and dv start as
+    NaN."""
     from flash_jvp._ops import _cdiv, _descriptor
 
-    B, H, Lq, E = q.shape
+    E, block_m, stages, dq, overlap = variant
+    B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     # one set of strides for both (contiguous); NaN where a row might stay unwritten
     dk, dv = (torch.full(x.shape, float("nan") if poison else 0.0, device=x.device,
@@ -228,7 +315,7 @@ def dkdv(q, k, v, do, lse, delta, scale, causal, block_m, stages, dq=False, pois
     attn_bwd_dkdv_hopper_kernel[grid](
         *descs, lse, delta, dk, dv, dq_acc, lse.stride(0), lse.stride(1), *dk.stride()[:3],
         *(dq_acc.stride()[:3] if dq else (0, 0, 0)), scale, H, Lq, Lk, HEAD_DIM=E,
-        BLOCK_M=block_m, STAGES=stages, IS_CAUSAL=causal, DQ=dq, num_warps=4,
+        BLOCK_M=block_m, STAGES=stages, IS_CAUSAL=causal, DQ=dq, OVERLAP=overlap, num_warps=4,
     )  # fmt: skip
     return dk, dv, (dq_acc * scale).to(q.dtype) if dq else None
 
@@ -259,7 +346,7 @@ def compile_report() -> int:
 
     from flash_jvp._ops import _descriptor
 
-    for E, block_m, stages, dq in VARIANTS:
+    for E, block_m, stages, dq, overlap in VARIANTS:
         x = torch.empty(2, 4, 1024, E, dtype=torch.bfloat16)
         descs = dict(q_desc=_descriptor(x, block_m), k_desc=_descriptor(x, 64),
                      v_desc=_descriptor(x, 64), do_desc=_descriptor(x, block_m))  # fmt: skip
@@ -273,11 +360,12 @@ def compile_report() -> int:
                     sig[p.name] = "constexpr"
                 else:
                     sig[p.name] = POINTERS.get(p.name, "i32")
-            consts = dict(HEAD_DIM=E, BLOCK_M=block_m, STAGES=stages, IS_CAUSAL=causal, DQ=dq)
+            consts = dict(HEAD_DIM=E, BLOCK_M=block_m, STAGES=stages, IS_CAUSAL=causal, DQ=dq,
+                          OVERLAP=overlap)  # fmt: skip
             res = compile_sm90._compile_report(attn_bwd_dkdv_hopper_kernel, sig, consts, {},
                                                {"num_warps": 4}, GluonASTSource)  # fmt: skip
-            print(f"E{E:3d} BLOCK_M {block_m:3d} stages {stages} dq {dq!s:5} causal {causal!s:5}:"
-                  f" {res}")  # fmt: skip
+            print(f"E{E:3d} BLOCK_M {block_m:3d} stages {stages} dq {dq!s:5} overlap "
+                  f"{overlap!s:5} causal {causal!s:5}: {res}")  # fmt: skip
     return 0
 
 
@@ -302,12 +390,12 @@ def run_check() -> int:
     start as NaN, so an unwritten row fails (dq's sum starts at 0 for the atomics: a missing
     share shows only as error)."""
     ok = True
-    for E, block_m, stages, with_dq in VARIANTS:
-        for L, causal in ((1000, False), (1024, True), (777, True), (2048, False)):
+    for variant in VARIANTS:
+        E, with_dq = variant[0], variant[3]
+        for L, causal in ((1000, False), (1024, True), (777, True), (2048, False), (64, True)):
             q, k, v, do = _inputs(2, 4, L, E)
             lse, delta = _stats(q, k, v, do, causal)
-            dk, dv, dq = dkdv(q, k, v, do, lse, delta, E**-0.5, causal, block_m, stages, with_dq,
-                              poison=True)  # fmt: skip
+            dk, dv, dq = dkdv(q, k, v, do, lse, delta, E**-0.5, causal, variant, poison=True)
             ref = _grads(q, k, v, do, causal, torch.float64)
             ours = _grads(q, k, v, do, causal)
             first = 0 if with_dq else 1  # dq is checked only where the kernel gives it
@@ -317,8 +405,8 @@ def run_check() -> int:
             good = all(e <= b for e, b in zip(errs, bars))
             ok &= good
             cells = " ".join(f"{n} {e:.1e} (bar {b:.1e})" for n, e, b in zip(names, errs, bars))
-            print(f"E{E} BLOCK_M {block_m} stages {stages} dq {with_dq} L{L} causal {causal}: "
-                  f"{cells} {'pass' if good else 'FAIL'}", flush=True)  # fmt: skip
+            print(f"{variant} L{L} causal {causal}: {cells} {'pass' if good else 'FAIL'}",
+                  flush=True)  # fmt: skip
     return 0 if ok else 1
 
 
@@ -349,23 +437,27 @@ def run_time(out: str | None) -> int:
     # with DQ the Gluon kernel replaces both Triton kernels: its time (with dq's zero fill and
     # final scale, the cost of the design) against their sum. do_bench clears L2 between
     # runs, the profiled Triton runs go back to back: a small bias in Triton's favour.
-    rows, lines = [], ["| E | L | causal | BLOCK_M | stages | dq | gluon ms | triton dK/dV ms "
-                       "| triton dQ ms | triton / gluon |", "|---" * 10 + "|"]  # fmt: skip
-    for E, block_m, stages, with_dq in VARIANTS:
+    head = (
+        "| E | L | causal | BLOCK_M | stages | dq | overlap | gluon ms | triton dK/dV ms "
+        "| triton dQ ms | triton / gluon |"
+    )
+    rows, lines = [], [head, "|---" * 11 + "|"]
+    for variant in VARIANTS:
+        E, block_m, stages, with_dq, overlap = variant
         H = 16 if E == 64 else 8
         for L in (4096, 8192):
             for causal in (False, True):
                 q, k, v, do = _inputs(4, H, L, E)
                 lse, delta = _stats(q, k, v, do, causal)
                 ms = do_bench(functools.partial(dkdv, q, k, v, do, lse, delta, E**-0.5, causal,
-                                                block_m, stages, with_dq))  # fmt: skip
+                                                variant))  # fmt: skip
                 dkdv_ms, dq_ms = _triton_bwd_ms(q, k, v, do, causal)
                 ref = dkdv_ms + (dq_ms if with_dq else 0.0)
                 rows.append(dict(E=E, L=L, causal=causal, BLOCK_M=block_m, stages=stages,
-                                 dq=with_dq, gluon_ms=ms, triton_dkdv_ms=dkdv_ms,
-                                 triton_dq_ms=dq_ms))  # fmt: skip
-                cells = (E, L, causal, block_m, stages, with_dq, f"{ms:.3f}", f"{dkdv_ms:.3f}",
-                         f"{dq_ms:.3f}", f"{ref / ms:.3f}")  # fmt: skip
+                                 dq=with_dq, overlap=overlap, gluon_ms=ms,
+                                 triton_dkdv_ms=dkdv_ms, triton_dq_ms=dq_ms))  # fmt: skip
+                cells = (E, L, causal, block_m, stages, with_dq, overlap, f"{ms:.3f}",
+                         f"{dkdv_ms:.3f}", f"{dq_ms:.3f}", f"{ref / ms:.3f}")  # fmt: skip
                 lines.append("| " + " | ".join(map(str, cells)) + " |")
                 print(lines[-1], flush=True)
     if out:

@@ -72,6 +72,11 @@ def test_reinitialised_offsets():
     # invalidated in between, as Triton's own pipelined descriptor loads do: allowed
     inval = "@%p1 mbarrier.inval.shared::cta.b64 [%r10];"
     assert ws_barriers.reinitialised("\n".join([*lines, inval, lines[3]])) == []
+    # a register moved after its init (a loop's address step) names a new offset from there
+    # on only: its earlier init stays at 8
+    step = "add.s32 %r12, %r12, 181112;"
+    assert ws_barriers.reinitialised("\n".join([*lines, step])) == []
+    assert ws_barriers.reinitialised("\n".join([*lines, step, lines[5]])) == [181120]
 
 
 @pytest.mark.gpu

@@ -97,25 +97,28 @@ def remove_dead_barriers(text: str) -> str:
 def reinitialised(ptx: str) -> list[int]:
     """Shared-memory offsets that an ``mbarrier.init`` of ``ptx`` names while, in text order,
     an earlier init there has not been invalidated (``mbarrier.inval``); offsets of the form
-    global_smem + constant, through chains of add.s32."""
-    offset = {}
-    for dst, src, const in re.findall(
-        r"(?:mov\.b32|add\.s32)\s+(%r\d+), (%r\d+|global_smem)(?:, (\d+))?;", ptx
+    global_smem + constant, through chains of add.s32, each register's offset taken where the
+    init reads it (ptxas-bound PTX reuses registers: a later add to one does not move an
+    earlier init)."""
+    offset, live, twice = {}, set(), set()
+    for dst, src, const, op, reg in re.findall(
+        r"(?:mov\.b32|add\.s32)\s+(%r\d+), (%r\d+|global_smem)(?:, (\d+))?;"
+        r"|mbarrier\.(init|inval)\.shared::cta\.b64 \[(%r\d+)\]",
+        ptx,
     ):
-        if src == "global_smem":
-            offset[dst] = int(const or 0)
-        elif src in offset and const:
-            offset[dst] = offset[src] + int(const)
-    live, twice = set(), set()
-    for op, reg in re.findall(r"mbarrier\.(init|inval)\.shared::cta\.b64 \[(%r\d+)\]", ptx):
-        if reg not in offset:
-            continue
-        if op == "inval":
-            live.discard(offset[reg])
-        elif offset[reg] in live:
-            twice.add(offset[reg])
-        else:
-            live.add(offset[reg])
+        if dst:  # an address computation: the register's offset from here on, if known
+            base = 0 if src == "global_smem" else offset.get(src)
+            if base is None or (src != "global_smem" and not const):
+                offset.pop(dst, None)
+            else:
+                offset[dst] = base + int(const or 0)
+        elif reg in offset:
+            if op == "inval":
+                live.discard(offset[reg])
+            elif offset[reg] in live:
+                twice.add(offset[reg])
+            else:
+                live.add(offset[reg])
     return sorted(twice)
 
 
