@@ -52,19 +52,21 @@ class _Recorder:
 
 
 def record(problem) -> list:
-    """The launches (kernel, config, arguments) of one fwd+JVP and one backward."""
+    """The launches (kernel, config, arguments) of one fwd+JVP and one backward: the Triton
+    kernels, with the Gluon forward's route (configs.HOPPER) emptied (--hopper reports it)."""
     calls = []
     saved = (_ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel,
-             _ops._tma_capable)  # fmt: skip
+             _ops._tma_capable, configs.HOPPER)  # fmt: skip
     _ops._launch = _Recorder(calls)
     _ops._tma_capable = lambda device: True  # as on sm_90
     _ops.attn_bwd_preprocess_kernel = _Recorder([])
     _ops.mask_ranges_kernel = _Recorder(calls, saved[2])
+    configs.HOPPER = {}
     try:
         problem()
     finally:
         (_ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel,
-         _ops._tma_capable) = saved  # fmt: skip
+         _ops._tma_capable, configs.HOPPER) = saved  # fmt: skip
     return calls
 
 
