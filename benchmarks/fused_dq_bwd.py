@@ -73,6 +73,7 @@ def attn_bwd_fused_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, 
                           STAGES: tl.constexpr):  # fmt: skip
     """One program: BLOCK_N keys of one (batch, head) and every query block that sees them;
     dk (scaled) and dv stored, dq's share added into the float32 buffer dq_desc describes."""
+    tl.static_assert(BLOCK_N % BLOCK_M == 0, "the causal split needs BLOCK_M | BLOCK_N")
     start_n = tl.program_id(0) * BLOCK_N
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H

@@ -81,8 +81,7 @@ def _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M: gl.constexpr, col_s: gl
 
 
 @gluon.jit
-def _probs(s_t, offs_m, lse, offs_n, key0, block_row0, qk_scale, Lk,
-           BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):  # fmt: skip
+def _probs(s_t, offs_m, lse, offs_n, key0, block_row0, qk_scale, Lk, IS_CAUSAL: gl.constexpr):
     """P^T of one query block from S^T."""
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse * LOG2E, 0))
     if key0 + HALF_N > Lk:  # keys past Lk (zero-filled): P = 0, as dq reads dS there
@@ -102,8 +101,9 @@ def _dkdv_overlapped(k, v, q_smem, do_smem, q_ready, q_empty, dk, dv, s_zero, LS
                      col_s: gl.constexpr, a_layout: gl.constexpr):  # fmt: skip
     """The query loop in the order of the forward's OVERLAP (FlashAttention-3, sec. 3.2):
     block j's S^T and dP^T are issued before block j-1's dV and dK products, so block j's
-    P^T and dS^T are formed while the tensor cores run those. Needs n_m >= 1; a q/dO slot is
-    released one block later than in the plain loop."""
+    P^T and dS^T are formed while the tensor cores run those. Needs n_m >= 1 and STAGES >= 2
+    (a q/dO slot is released one block later than in the plain loop)."""
+    gl.static_assert(STAGES >= 2, "OVERLAP holds two blocks' q/dO slots at once")
     dtype: gl.constexpr = q_smem.dtype
     offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, 0, lo, Lq, BLOCK_M, col_s)
     mbarrier.wait(q_ready.index(0), 0)
@@ -112,7 +112,7 @@ def _dkdv_overlapped(k, v, q_smem, do_smem, q_ready, q_empty, dk, dv, s_zero, LS
     s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
-    p_t = _probs(s_t, offs_m, lse, offs_n, key0, lo * BLOCK_M, qk_scale, Lk, BLOCK_M, IS_CAUSAL)
+    p_t = _probs(s_t, offs_m, lse, offs_n, key0, lo * BLOCK_M, qk_scale, Lk, IS_CAUSAL)
     ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
     ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
@@ -130,7 +130,7 @@ def _dkdv_overlapped(k, v, q_smem, do_smem, q_ready, q_empty, dk, dv, s_zero, LS
         dk = warpgroup_mma(ds_op, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk,
                            is_async=True)  # fmt: skip
         s_t, dp_t = warpgroup_mma_wait(num_outstanding=2, deps=(s_t, dp_t))
-        p_t = _probs(s_t, offs_m, lse, offs_n, key0, (lo + j) * BLOCK_M, qk_scale, Lk, BLOCK_M,
+        p_t = _probs(s_t, offs_m, lse, offs_n, key0, (lo + j) * BLOCK_M, qk_scale, Lk,
                      IS_CAUSAL)  # fmt: skip
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
@@ -199,7 +199,7 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
             dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
             p_t = _probs(s_t, offs_m, lse, offs_n, key0, (lo + j) * BLOCK_M, qk_scale, Lk,
-                         BLOCK_M, IS_CAUSAL)  # fmt: skip
+                         IS_CAUSAL)  # fmt: skip
             # dV's product is issued first, so dS^T is formed while the tensor cores run it
             p_op = gl.convert_layout(p_t.to(dtype), a_layout)
             dv = warpgroup_mma(p_op, do, dv, is_async=True)
@@ -290,7 +290,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK,
 # DQ (E=64 only: dq's product needs 64 query rows a warpgroup): dq through fp32 atomics.
 # On an H100 (results/2026-12-07-h100-gluon-bwd-dkdv-80271b7.md) the plain loop ran
 # 0.93-1.10x our dK/dV kernel's speed at either stage count, DQ 0.59-0.67x dK/dV + dQ.
-# OVERLAP (not yet run): no spill at E=64; E=128 causal 328 bytes (88 without).
+# OVERLAP (not yet run): no spill at E=64; E=128 causal 328 bytes (88 with the plain loop).
 VARIANTS = [(64, 64, 2, False, False), (64, 64, 2, False, True), (64, 64, 3, False, True),
             (128, 32, 2, False, False), (128, 32, 2, False, True),
             (64, 64, 2, True, False)]  # fmt: skip

@@ -62,11 +62,13 @@ def record(problem) -> list:
     _ops.attn_bwd_preprocess_kernel = _Recorder([])
     _ops.mask_ranges_kernel = _Recorder(calls, saved[2])
     configs.HOPPER = {}
+    _ops.forget_configs()
     try:
         problem()
     finally:
         (_ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel,
          _ops._tma_capable, configs.HOPPER) = saved  # fmt: skip
+        _ops.forget_configs()
     return calls
 
 

@@ -77,6 +77,14 @@ def test_reinitialised_offsets():
     step = "add.s32 %r12, %r12, 181112;"
     assert ws_barriers.reinitialised("\n".join([*lines, step])) == []
     assert ws_barriers.reinitialised("\n".join([*lines, step, lines[5]])) == [181120]
+    # any other write makes the offset unknown; a copy carries it
+    for other in ("add.s32 %r12, %r10, %r40;", "mov.b32 %r12, 0;", "selp.b32 %r12, %r1, %r2, %p3;"):
+        assert ws_barriers.reinitialised("\n".join([*lines, other, lines[5]])) == []
+    copy = "mov.b32 %r13, %r12;"
+    again = "@%p1 mbarrier.init.shared::cta.b64 [%r13], 1;"
+    assert ws_barriers.reinitialised("\n".join([*lines, copy, again])) == [8]
+    back = "add.s32 %r13, %r11, -181112;"
+    assert ws_barriers.reinitialised("\n".join([*lines, back, again])) == [8]
 
 
 @pytest.mark.gpu

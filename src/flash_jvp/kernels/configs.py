@@ -153,13 +153,14 @@ HOPPER_CANDIDATES = {
     (True, 64): [_H(128, 2), _H(64, 3), _H(128, 2, True, regs=240), _H(128, 2, regs=240)],
     (True, 128): [_H(64, 2, True, regs=240), _H(32, 3, True), _H(32, 4, True), _H(32, 2, True)],
 }  # fmt: skip
-# One per (tangent, HEAD_DIM): the variant offered to the route, the fastest measured
-# (results/2026-12-07-h100-hopper-fwd-sweep-80271b7.md, L 4096 and 8192).
+# One per (tangent, HEAD_DIM): the variant offered to the route, the fastest measured at L
+# 4096 and 8192 (results/2026-12-07-h100-hopper-fwd-sweep-80271b7.md; the primal at E=128 by
+# the 846c737 sweep, where the 80271b7 one put OVERLAP alone level with it).
 HOPPER_COMPILED = {key: variants[0] for key, variants in HOPPER_CANDIDATES.items()}
 # Those routed to it, by the sweeps (H100), triton time / gluon time at L 4096 / 8192,
 # non-causal then causal: the primal at E=64 with three consumers (BLOCK_M 192) 1.00 /
-# 1.14, 0.91 / 1.07 (two consumers at best 0.88-1.02); the primal at E=128 with O_TMA and
-# OVERLAP 1.13-1.27x in the 846c737 sweep (causal L=4096 0.71 in the 80271b7 one, where
+# 1.14, 0.91 / 1.07 (two consumers 0.81-1.04 in the same sweep); the primal at E=128 with
+# O_TMA and OVERLAP 1.13-1.27x in the 846c737 sweep (causal L=4096 0.71 in the 80271b7 one, where
 # the 240-register twin gave 0.53: a spread at 0.3 ms); fwd+JVP at E=64 (BLOCK_N 128)
 # 1.19 / 1.17, 1.18 / 1.26; fwd+JVP at E=128 (BLOCK_N 64, O_TMA, 240 registers) 1.10 /
 # 1.10, 0.77 / 1.18 (BLOCK_N 32: 0.77-0.99).

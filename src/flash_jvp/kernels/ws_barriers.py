@@ -94,31 +94,49 @@ def remove_dead_barriers(text: str) -> str:
     return "\n".join(keep + lines[end:]) + "\n"
 
 
+_BARRIER = re.compile(r"mbarrier\.(init|inval)\.shared::cta\.b64 \[(%r\d+)\]")
+_WRITE = re.compile(r"^\s*(?:@!?%p\d+\s+)?([\w.:]+)\s+(%r\d+),\s*(.*);", re.M)
+_ADDRESS = re.compile(r"(%r\d+|global_smem)(?:,\s*(-?\d+))?")
+
+
 def reinitialised(ptx: str) -> list[int]:
     """Shared-memory offsets that an ``mbarrier.init`` of ``ptx`` names while, in text order,
-    an earlier init there has not been invalidated (``mbarrier.inval``); offsets of the form
-    global_smem + constant, through chains of add.s32, each register's offset taken where the
-    init reads it (ptxas-bound PTX reuses registers: a later add to one does not move an
-    earlier init)."""
+    an earlier init there has not been invalidated (``mbarrier.inval``). Offsets of the form
+    global_smem + constant, through chains of mov.b32 / add.s32, each register's offset as it
+    stands where the init reads it: ptxas-bound PTX reuses registers, so any other write to
+    one (an add of a register, a select, a load) makes its offset unknown from there on."""
     offset, live, twice = {}, set(), set()
-    for dst, src, const, op, reg in re.findall(
-        r"(?:mov\.b32|add\.s32)\s+(%r\d+), (%r\d+|global_smem)(?:, (\d+))?;"
-        r"|mbarrier\.(init|inval)\.shared::cta\.b64 \[(%r\d+)\]",
-        ptx,
-    ):
-        if dst:  # an address computation: the register's offset from here on, if known
-            base = 0 if src == "global_smem" else offset.get(src)
-            if base is None or (src != "global_smem" and not const):
-                offset.pop(dst, None)
-            else:
-                offset[dst] = base + int(const or 0)
-        elif reg in offset:
+    for line in ptx.splitlines():
+        barrier = _BARRIER.search(line)
+        if barrier:
+            op, reg = barrier.groups()
+            if reg not in offset:
+                continue
             if op == "inval":
                 live.discard(offset[reg])
             elif offset[reg] in live:
                 twice.add(offset[reg])
             else:
                 live.add(offset[reg])
+            continue
+        write = _WRITE.match(line)
+        if not write:
+            continue
+        opcode, dst, operands = write.groups()
+        address = _ADDRESS.fullmatch(operands.strip())
+        base = None
+        if opcode in ("mov.b32", "mov.u32", "add.s32") and address:
+            src, const = address.groups()
+            base = 0 if src == "global_smem" else offset.get(src)
+            # mov takes no constant; add.s32 needs one (a register sum is unknown)
+            if base is not None and (const is None) != opcode.startswith("mov"):
+                base = None
+            elif base is not None:
+                base += int(const or 0)
+        if base is None:
+            offset.pop(dst, None)
+        else:
+            offset[dst] = base
     return sorted(twice)
 
 
