@@ -22,17 +22,14 @@ NOTES.md, twenty-fifth session).
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import functools
-import json
 import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from gluon_bwd import _grads, _inputs, _rel, _stats, _triton_bwd_ms
+from gluon_bwd import _grads, _inputs, _rel, _stats, _triton_bwd_ms, cli, write_results
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -179,8 +176,6 @@ def run_check() -> int:
 def run_time(out: str | None) -> int:
     from triton.testing import do_bench
 
-    from flash_jvp._env import environment
-
     # do_bench clears L2 between runs, the profiled Triton runs go back to back: a small
     # bias in our two kernels' favour
     rows, lines = [], ["| E | L | causal | variant | fused ms | ours dK/dV + dQ ms | "
@@ -201,27 +196,10 @@ def run_time(out: str | None) -> int:
                 lines.append("| " + " | ".join(map(str, cells)) + " |")
                 print(lines[-1], flush=True)
     if out:
-        env = environment()
-        stem = os.path.join(out, f"{dt.date.today()}-fused-dq-bwd")
-        with open(stem + ".json", "w") as f:
-            json.dump(dict(environment=env, rows=rows), f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write("# Fused backward (dq by TMA reductions) vs ours\n\n" + json.dumps(env))
-            f.write("\n\n" + "\n".join(lines) + "\n")
+        write_results(out, "fused-dq-bwd", "Fused backward (dq by TMA reductions) vs ours", rows,
+                      lines)  # fmt: skip
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["compile", "check", "time"])
-    parser.add_argument("--out", default=None, help="folder for the time mode's .json/.md")
-    args = parser.parse_args()
-    if args.mode == "compile":
-        return compile_report()
-    if args.mode == "check":
-        return run_check()
-    return run_time(args.out)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(__doc__, compile_report, run_check, run_time))

@@ -81,6 +81,20 @@ def _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M: gl.constexpr, col_s: gl
 
 
 @gluon.jit
+def _issue_scores(k, v, q_smem, do_smem, q_ready, j, s_zero, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Block j's q and dO slots once loaded, and S^T = K Q^T, dP^T = V dO^T issued (not
+    waited)."""
+    s = j % STAGES
+    mbarrier.wait(q_ready.index(s), (j // STAGES) & 1)
+    q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+    do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+    s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return q, do, s_t, dp_t
+
+
+@gluon.jit
 def _probs(s_t, offs_m, lse, offs_n, key0, block_row0, qk_scale, Lk, IS_CAUSAL: gl.constexpr):
     """P^T of one query block from S^T."""
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse * LOG2E, 0))
@@ -106,25 +120,18 @@ def _dkdv_overlapped(k, v, q_smem, do_smem, q_ready, q_empty, dk, dv, s_zero, LS
     gl.static_assert(STAGES >= 2, "OVERLAP holds two blocks' q/dO slots at once")
     dtype: gl.constexpr = q_smem.dtype
     offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, 0, lo, Lq, BLOCK_M, col_s)
-    mbarrier.wait(q_ready.index(0), 0)
-    q = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
-    do = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
-    s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    q, do, s_t, dp_t = _issue_scores(k, v, q_smem, do_smem, q_ready, 0, s_zero, HEAD_DIM,
+                                     BLOCK_M, STAGES)  # fmt: skip
     s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
     p_t = _probs(s_t, offs_m, lse, offs_n, key0, lo * BLOCK_M, qk_scale, Lk, IS_CAUSAL)
     ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
     ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
     for j in range(1, n_m):
-        s = j % STAGES
         prev = (j - 1) % STAGES
         offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M, col_s)
-        mbarrier.wait(q_ready.index(s), (j // STAGES) & 1)
-        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-        s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        q, do, s_t, dp_t = _issue_scores(k, v, q_smem, do_smem, q_ready, j, s_zero, HEAD_DIM,
+                                         BLOCK_M, STAGES)  # fmt: skip
         dv = warpgroup_mma(p_op, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv,
                            is_async=True)  # fmt: skip
         dk = warpgroup_mma(ds_op, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk,
@@ -192,11 +199,8 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
         for j in range(n_m):
             s = j % STAGES
             offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M, col_s)
-            mbarrier.wait(q_ready.index(s), (j // STAGES) & 1)
-            q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-            do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-            s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            q, do, s_t, dp_t = _issue_scores(k, v, q_smem, do_smem, q_ready, j, s_zero, HEAD_DIM,
+                                             BLOCK_M, STAGES)  # fmt: skip
             s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
             p_t = _probs(s_t, offs_m, lse, offs_n, key0, (lo + j) * BLOCK_M, qk_scale, Lk,
                          IS_CAUSAL)  # fmt: skip
@@ -432,8 +436,6 @@ def _triton_bwd_ms(q, k, v, do, causal) -> tuple[float, float]:
 def run_time(out: str | None) -> int:
     from triton.testing import do_bench
 
-    from flash_jvp._env import environment
-
     # with DQ the Gluon kernel replaces both Triton kernels: its time (with dq's zero fill and
     # final scale, the cost of the design) against their sum. do_bench clears L2 between
     # runs, the profiled Triton runs go back to back: a small bias in Triton's favour.
@@ -461,18 +463,25 @@ def run_time(out: str | None) -> int:
                 lines.append("| " + " | ".join(map(str, cells)) + " |")
                 print(lines[-1], flush=True)
     if out:
-        env = environment()
-        stem = os.path.join(out, f"{dt.date.today()}-gluon-bwd-dkdv")
-        with open(stem + ".json", "w") as f:
-            json.dump(dict(environment=env, rows=rows), f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write("# Gluon dK/dV vs Triton dK/dV\n\n" + json.dumps(env) + "\n\n")
-            f.write("\n".join(lines) + "\n")
+        write_results(out, "gluon-bwd-dkdv", "Gluon dK/dV vs Triton dK/dV", rows, lines)
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_results(out: str, name: str, title: str, rows: list, lines: list) -> None:
+    """``out``/<date>-<name>.json (the rows) and .md (the table), with the environment."""
+    from flash_jvp._env import environment
+
+    env = environment()
+    stem = os.path.join(out, f"{dt.date.today()}-{name}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(environment=env, rows=rows), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# {title}\n\n{json.dumps(env)}\n\n" + "\n".join(lines) + "\n")
+
+
+def cli(doc: str, compile_report, run_check, run_time) -> int:
+    """The prototypes' command line: compile | check | time [--out DIR]."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("mode", choices=["compile", "check", "time"])
     parser.add_argument("--out", default=None, help="folder for the time mode's .json/.md")
     args = parser.parse_args()
@@ -484,4 +493,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(__doc__, compile_report, run_check, run_time))
