@@ -15,11 +15,11 @@ dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands. delta = ro
 as kernels/bwd.py's preprocess; lse from the forward. Scope: fp16/bf16, HEAD_DIM 64 or 128,
 no mask, no GQA, dense, causal with Lq == Lk (top-left).
 
-That schedule ran 0.93-1.10x our dK/dV kernel's speed on an H100: each consumer waits for
-its own products before the element-wise work that reads them, so only the other consumer
-fills the tensor cores meanwhile. OVERLAP (not yet run) issues block j's S^T and dP^T ahead
-of block j-1's dV and dK products and forms block j's P^T and dS^T while those run, as the
-forward's OVERLAP does for P V.
+That schedule ran 0.93-1.10x our dK/dV kernel's speed on an H100; OVERLAP (block j's S^T
+and dP^T issued ahead of block j-1's dV and dK products, as the forward's OVERLAP) 0.75-0.96x.
+With dq fused (DQ modes below; cuDNN's backward is one kernel as fast as our dK/dV kernel
+alone), against our dK/dV + dQ kernels: element atomics 0.59-0.67x, a TMA reduction a
+consumer 0.75-0.88x, one TMA reduction a block of both consumers' dS K (DQ_SHARED) 0.88-0.96x.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ import os
 import sys
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -45,6 +47,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flash_jvp.kernels.fwd_hopper import LOG2E
 
 HALF_N = gl.constexpr(64)  # keys per consumer: one wgmma M tile of a 4-warp group
+# DQ modes: each consumer's dS K share added into a float32 dq by element atomics, or by a
+# TMA reduction of the whole block (FlashAttention-3's dQ path); DQ_SHARED: both consumers'
+# dS^T through shared memory, one consumer a block (alternating) forms the block's dq from
+# all 128 keys and adds it by a TMA reduction (half DQ_TMA's reduction traffic);
+# DQ_SHARED_C0: consumer 0 every block
+DQ_ATOMIC = gl.constexpr(1)
+DQ_TMA = gl.constexpr(2)
+DQ_SHARED = gl.constexpr(3)
+DQ_SHARED_C0 = gl.constexpr(4)
+
+
+@builtin
+def _tma_reduce_add(desc, coord, value, _semantic=None):
+    """``value`` added into ``desc``'s block at ``coord`` by a TMA reduction: Triton's
+    descriptor_atomic_add, which Gluon 3.6 does not wrap; its TMA lowering stages ``value``
+    through shared memory and waits only for that to be read (cp.reduce.async.bulk.tensor)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    kind = ir.DESCRIPTOR_REDUCE_KIND.ADD
+    _semantic.builder.create_descriptor_reduce(kind, desc.handle, value.handle, coord)
 
 
 @gluon.jit
@@ -153,15 +174,67 @@ def _dkdv_overlapped(k, v, q_smem, do_smem, q_ready, q_empty, dk, dv, s_zero, LS
 
 
 @gluon.jit
+def _dq_product(buf, k_smem, dq_zero, half: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """dq = dS K over both consumers' keys (issued, not waited)."""
+    dq = dq_zero
+    for c in gl.static_range(2):  # each consumer's keys: dS[:, keys of c] K[keys of c]
+        ds_c = buf.slice(c * half, half).permute((1, 0))
+        k_c = k_smem.index(c).reshape([half, HEAD_DIM])
+        dq = warpgroup_mma(ds_c, k_c, dq, use_acc=c > 0, is_async=True)
+    return dq
+
+
+@gluon.jit
+def _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk, dq_zero, j, s, dq_row,
+               C: gl.constexpr, HEAD_DIM: gl.constexpr, FIXED: gl.constexpr):  # fmt: skip
+    """DQ_SHARED for block j (q/dO slot s): this consumer's dS^T into buffer j % 2, then
+    consumer j % 2 forms dq = dS K over both consumers' 128 keys and adds it at dq_row; the
+    other waits for its dV and dK products only. ds_ready completes once a block (both
+    arrivals); waiting for block j - 1's before writing keeps the consumers within a block
+    of each other, so a buffer is rewritten only once block j - 2's dq product has read it.
+    FIXED: consumer 0 forms every block's dq (DQ_SHARED_C0)."""
+    half: gl.constexpr = ds_t.shape[0]
+    if j > 0:
+        mbarrier.wait(ds_ready, (j - 1) & 1)
+    buf = ds_smem.index(j % 2)
+    buf.slice(C * half, half).store(ds_t.to(ds_smem.dtype))
+    fence_async_shared()
+    mbarrier.arrive(ds_ready, count=1)
+    if FIXED:  # compile-time branches: dq's product queued behind dV's and dK's
+        if C == 0:
+            mbarrier.wait(ds_ready, j & 1)
+            dq = _dq_product(buf, k_smem, dq_zero, half, HEAD_DIM)
+            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+            mbarrier.arrive(q_empty.index(s), count=1)
+            _tma_reduce_add(dq_desc, [dq_row, 0], dq)
+        else:
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(s), count=1)
+        return dv, dk
+    # (waited here, not behind dq's product: a branch cannot turn an in-flight accumulator
+    # into a tensor on one side only)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    mbarrier.arrive(q_empty.index(s), count=1)
+    if j % 2 == C:
+        mbarrier.wait(ds_ready, j & 1)
+        dq = _dq_product(buf, k_smem, dq_zero, half, HEAD_DIM)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        _tma_reduce_add(dq_desc, [dq_row, 0], dq)
+    return dv, dk
+
+
+@gluon.jit
 def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
                     OVERLAP: gl.constexpr):  # fmt: skip
     """Consumer C: keys start_n + C * 64 ... + 63; dk (scaled) and dv stored at the end; with
-    DQ, also this block's dS K added into DQ (float32, unscaled) by atomics; OVERLAP: the
-    loop of _dkdv_overlapped (without DQ)."""
-    (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty, LSE, DELTA, DK, DV,
-     DQ_ACC, stride_lb, stride_lh, stride_kb, stride_kh, stride_kn, stride_qb, stride_qh,
-     stride_qm, off_b, off_h, start_n, lo, n_m, scale, Lq, Lk) = args  # fmt: skip
+    DQ, also this block's dS K added into DQ_ACC (float32, unscaled) by element atomics
+    (DQ_ATOMIC) or a TMA reduction through dq_desc (DQ_TMA); OVERLAP: the loop of
+    _dkdv_overlapped (without DQ)."""
+    (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_ready, q_ready, q_empty, LSE, DELTA,
+     DK, DV, DQ_ACC, dq_desc, dq_row0, stride_lb, stride_lh, stride_kb, stride_kh, stride_kn,
+     stride_qb, stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m, scale, Lq,
+     Lk) = args  # fmt: skip
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -210,7 +283,11 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-            if DQ:  # dS (this block's rows) K: dS^T through shared memory, read transposed
+            if DQ >= DQ_SHARED:
+                dv, dk = _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk,
+                                    dq_zero, j, s, dq_row0 + (lo + j) * BLOCK_M, C,
+                                    HEAD_DIM, DQ == DQ_SHARED_C0)  # fmt: skip
+            elif DQ:  # dS (this block's rows) K: dS^T through shared memory, read transposed
                 ds_slot = ds_smem.index(C)
                 ds_slot.store(ds_t.to(dtype))
                 fence_async_shared()
@@ -218,9 +295,15 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
                                    is_async=True)  # fmt: skip
                 dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
                 mbarrier.arrive(q_empty.index(s), count=1)
-                rows_q = (lo + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-                dq_ptrs = DQ_ACC + dq_base + gl.expand_dims(rows_q, 1) * stride_qm + dq_cols
-                gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(rows_q < Lq, 1), sem="relaxed")
+                if DQ == DQ_TMA:
+                    # dq_desc spans every (batch, head)'s rows: those past Lq add this
+                    # block's zeros (P = 0 there) into the next head's first rows
+                    _tma_reduce_add(dq_desc, [dq_row0 + (lo + j) * BLOCK_M, 0], dq)
+                else:
+                    rows_q = (lo + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+                    dq_ptrs = DQ_ACC + dq_base + gl.expand_dims(rows_q, 1) * stride_qm + dq_cols
+                    gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(rows_q < Lq, 1),
+                                  sem="relaxed")  # fmt: skip
             else:
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(s), count=1)
@@ -235,15 +318,15 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
 
 
 @gluon.jit
-def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ_ACC,
-                                stride_lb, stride_lh, stride_kb, stride_kh, stride_kn,
+def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV,
+                                DQ_ACC, stride_lb, stride_lh, stride_kb, stride_kh, stride_kn,
                                 stride_qb, stride_qh, stride_qm, scale, H, Lq, Lk,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                 DQ: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
     """dk, dv (and with DQ their programs' shares of dq) of 128 keys of one (batch, head); see
     the module docstring. Descriptors are rank 4 over (B, H, L, E): q and do in blocks of
-    BLOCK_M rows, k and v of 64."""
+    BLOCK_M rows, k and v of 64; dq_desc (DQ_TMA only) rank 2 over DQ_ACC as (B H Lq, E)."""
     start_n = gl.program_id(0) * 2 * HALF_N
     off_bh = gl.program_id(1)
     off_b = off_bh // H
@@ -261,22 +344,30 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK,
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
     ds_smem = q_smem  # without DQ a placeholder, never read (DQ is compile-time)
-    if DQ:  # one dS^T slot a consumer; BLOCK_M 64 bf16 columns: 128-byte rows
+    if DQ >= DQ_SHARED:  # two buffers of both consumers' dS^T
+        ds_layout_2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                         element_bitwidth=16)  # fmt: skip
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF_N, BLOCK_M], ds_layout_2)
+    elif DQ:  # one dS^T slot a consumer; BLOCK_M 64 bf16 columns: 128-byte rows
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                        element_bitwidth=16)  # fmt: skip
         ds_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, BLOCK_M], ds_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # DQ_SHARED only
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(ds_ready, count=2)  # one arrival per consumer
     for s in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(q_empty.index(s), count=2)  # one arrival per consumer
 
-    args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, q_empty, LSE, DELTA,
-            DK, DV, DQ_ACC, stride_lb, stride_lh, stride_kb, stride_kh, stride_kn, stride_qb,
-            stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m, scale, Lq, Lk)  # fmt: skip
+    args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_ready, q_ready, q_empty, LSE,
+            DELTA,
+            DK, DV, DQ_ACC, dq_desc, off_bh * Lq, stride_lb, stride_lh, stride_kb, stride_kh,
+            stride_kn, stride_qb, stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m, scale,
+            Lq, Lk)  # fmt: skip
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
                  q_ready, q_empty, off_b, off_h, start_n, lo, n_m)  # fmt: skip
     gl.warp_specialize(
@@ -291,13 +382,27 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK,
 
 
 # (HEAD_DIM, BLOCK_M, STAGES, DQ, OVERLAP); E=128 at BLOCK_M 64 spills 144-160 bytes.
-# DQ (E=64 only: dq's product needs 64 query rows a warpgroup): dq through fp32 atomics.
-# On an H100 (results/2026-12-07-h100-gluon-bwd-dkdv-80271b7.md) the plain loop ran
-# 0.93-1.10x our dK/dV kernel's speed at either stage count, DQ 0.59-0.67x dK/dV + dQ.
-# OVERLAP (not yet run): no spill at E=64; E=128 causal 328 bytes (88 with the plain loop).
-VARIANTS = [(64, 64, 2, False, False), (64, 64, 2, False, True), (64, 64, 3, False, True),
-            (128, 32, 2, False, False), (128, 32, 2, False, True),
-            (64, 64, 2, True, False)]  # fmt: skip
+# DQ (E=64 only: dq's product needs 64 query rows a warpgroup; 0: none).
+# On an H100 (results/2026-12-07-h100-gluon-bwd-dkdv-80271b7.md, -6758e8f.md) the plain
+# loop ran 0.93-1.10x our dK/dV kernel's speed at either stage count, DQ_ATOMIC 0.59-0.67x
+# dK/dV + dQ; OVERLAP 0.85-0.96x at E=64, 0.75-0.92x at E=128 (which spills causal).
+VARIANTS = [(64, 64, 2, 0, False), (64, 64, 2, 0, True), (64, 64, 3, 0, True),
+            (128, 32, 2, 0, False), (128, 32, 2, 0, True),
+            (64, 64, 2, DQ_ATOMIC.value, False), (64, 64, 2, DQ_TMA.value, False),
+            (64, 64, 3, DQ_TMA.value, False), (64, 64, 2, DQ_SHARED.value, False),
+            (64, 64, 3, DQ_SHARED.value, False), (64, 64, 2, DQ_SHARED_C0.value, False),
+            (64, 64, 3, DQ_SHARED_C0.value, False)]  # fmt: skip
+
+
+def _dq_descriptor(dq_acc, block_m: int):
+    """A rank-2 TMA descriptor over the float32 dq accumulator as (B H Lq, E), blocks of
+    block_m rows: the TMA reduction's target."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    flat = dq_acc.view(-1, dq_acc.shape[-1])
+    block = [block_m, flat.shape[1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
 
 def dkdv(q, k, v, do, lse, delta, scale, causal, variant, poison=False):
@@ -315,6 +420,9 @@ def dkdv(q, k, v, do, lse, delta, scale, causal, variant, poison=False):
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq else lse
     descs = [_descriptor(q, block_m), _descriptor(k, 64), _descriptor(v, 64),
              _descriptor(do, block_m)]  # fmt: skip
+    # without DQ_TMA q's descriptor stands in, never read
+    tma_dq = dq >= DQ_TMA.value
+    descs.append(_dq_descriptor(dq_acc, block_m) if tma_dq else descs[0])
     grid = (_cdiv(Lk, 128), B * H)
     attn_bwd_dkdv_hopper_kernel[grid](
         *descs, lse, delta, dk, dv, dq_acc, lse.stride(0), lse.stride(1), *dk.stride()[:3],
@@ -354,6 +462,8 @@ def compile_report() -> int:
         x = torch.empty(2, 4, 1024, E, dtype=torch.bfloat16)
         descs = dict(q_desc=_descriptor(x, block_m), k_desc=_descriptor(x, 64),
                      v_desc=_descriptor(x, 64), do_desc=_descriptor(x, block_m))  # fmt: skip
+        tma_dq = dq >= DQ_TMA.value
+        descs["dq_desc"] = _dq_descriptor(x.float(), block_m) if tma_dq else descs["q_desc"]
         for causal in (False, True):
             sig = {}
             for p in attn_bwd_dkdv_hopper_kernel.params:
