@@ -19,7 +19,8 @@ That schedule ran 0.93-1.10x our dK/dV kernel's speed on an H100; OVERLAP (block
 and dP^T issued ahead of block j-1's dV and dK products, as the forward's OVERLAP) 0.75-0.96x.
 With dq fused (DQ modes below; cuDNN's backward is one kernel as fast as our dK/dV kernel
 alone), against our dK/dV + dQ kernels: element atomics 0.59-0.67x, a TMA reduction a
-consumer 0.75-0.88x, one TMA reduction a block of both consumers' dS K (DQ_SHARED) 0.88-0.96x.
+consumer 0.75-0.88x, one TMA reduction a block of both consumers' dS K (DQ_SHARED, then with
+a runtime branch) 0.88-0.96x; its compile-time form (blocks in pairs) is not yet run.
 """
 
 from __future__ import annotations
@@ -186,13 +187,14 @@ def _dq_product(buf, k_smem, dq_zero, half: gl.constexpr, HEAD_DIM: gl.constexpr
 
 @gluon.jit
 def _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk, dq_zero, j, s, dq_row,
-               C: gl.constexpr, HEAD_DIM: gl.constexpr, FIXED: gl.constexpr):  # fmt: skip
-    """DQ_SHARED for block j (q/dO slot s): this consumer's dS^T into buffer j % 2, then
-    consumer j % 2 forms dq = dS K over both consumers' 128 keys and adds it at dq_row; the
-    other waits for its dV and dK products only. ds_ready completes once a block (both
+               C: gl.constexpr, HEAD_DIM: gl.constexpr, COMPUTES: gl.constexpr):  # fmt: skip
+    """DQ_SHARED(_C0) for block j (q/dO slot s), dV and dK's products in flight: this
+    consumer's dS^T into buffer j % 2; with COMPUTES it then forms dq = dS K over both
+    consumers' 128 keys and adds it at dq_row. ds_ready completes once a block (both
     arrivals); waiting for block j - 1's before writing keeps the consumers within a block
     of each other, so a buffer is rewritten only once block j - 2's dq product has read it.
-    FIXED: consumer 0 forms every block's dq (DQ_SHARED_C0)."""
+    COMPUTES is compile-time (the caller unrolls blocks in pairs): a runtime branch could not
+    leave dV's and dK's products in flight behind dq's on one side only."""
     half: gl.constexpr = ds_t.shape[0]
     if j > 0:
         mbarrier.wait(ds_ready, (j - 1) & 1)
@@ -200,27 +202,53 @@ def _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk, dq_zer
     buf.slice(C * half, half).store(ds_t.to(ds_smem.dtype))
     fence_async_shared()
     mbarrier.arrive(ds_ready, count=1)
-    if FIXED:  # compile-time branches: dq's product queued behind dV's and dK's
-        if C == 0:
-            mbarrier.wait(ds_ready, j & 1)
-            dq = _dq_product(buf, k_smem, dq_zero, half, HEAD_DIM)
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-            mbarrier.arrive(q_empty.index(s), count=1)
-            _tma_reduce_add(dq_desc, [dq_row, 0], dq)
-        else:
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            mbarrier.arrive(q_empty.index(s), count=1)
-        return dv, dk
-    # (waited here, not behind dq's product: a branch cannot turn an in-flight accumulator
-    # into a tensor on one side only)
-    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-    mbarrier.arrive(q_empty.index(s), count=1)
-    if j % 2 == C:
+    if COMPUTES:
         mbarrier.wait(ds_ready, j & 1)
         dq = _dq_product(buf, k_smem, dq_zero, half, HEAD_DIM)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+        mbarrier.arrive(q_empty.index(s), count=1)
         _tma_reduce_add(dq_desc, [dq_row, 0], dq)
+    else:
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(q_empty.index(s), count=1)
     return dv, dk
+
+
+@gluon.jit
+def _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA, row_base, offs_n,
+                    key0, lo, j, qk_scale, Lq, Lk, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, col_s: gl.constexpr,
+                    a_layout: gl.constexpr):  # fmt: skip
+    """Block j of the plain loop up to dV's and dK's products, issued (in flight): returns
+    dS^T, q's slot, dv and dk."""
+    dtype: gl.constexpr = q_smem.dtype
+    offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M, col_s)
+    q, do, s_t, dp_t = _issue_scores(k, v, q_smem, do_smem, q_ready, j, s_zero, HEAD_DIM,
+                                     BLOCK_M, STAGES)  # fmt: skip
+    s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+    p_t = _probs(s_t, offs_m, lse, offs_n, key0, (lo + j) * BLOCK_M, qk_scale, Lk, IS_CAUSAL)
+    # dV's product is issued first, so dS^T is formed while the tensor cores run it
+    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    dv = warpgroup_mma(p_op, do, dv, is_async=True)
+    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+    ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
+    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+    return ds_t, q, dv, dk
+
+
+@gluon.jit
+def _shared_block(k, v, q_smem, do_smem, q_ready, q_empty, ds_smem, ds_ready, k_smem, dq_desc,
+                  dv, dk, s_zero, dq_zero, LSE, DELTA, row_base, offs_n, key0, lo, j, dq_row0,
+                  qk_scale, Lq, Lk, C: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  col_s: gl.constexpr, a_layout: gl.constexpr,
+                  COMPUTES: gl.constexpr):  # fmt: skip
+    """Block j with DQ_SHARED(_C0): the plain loop's products, then _shared_dq."""
+    ds_t, q, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA,
+                                      row_base, offs_n, key0, lo, j, qk_scale, Lq, Lk, HEAD_DIM,
+                                      BLOCK_M, STAGES, IS_CAUSAL, col_s, a_layout)  # fmt: skip
+    return _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk, dq_zero, j,
+                      j % STAGES, dq_row0 + (lo + j) * BLOCK_M, C, HEAD_DIM, COMPUTES)  # fmt: skip
 
 
 @gluon.jit
@@ -268,26 +296,28 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
                                   DELTA, row_base, offs_n, key0, lo, n_m, qk_scale, Lq, Lk,
                                   HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, col_s,
                                   a_layout)  # fmt: skip
+    elif DQ >= DQ_SHARED:  # blocks in pairs: which consumer forms dq is compile-time
+        second: gl.constexpr = C == (0 if DQ == DQ_SHARED_C0 else 1)
+        for jj in range(0, n_m, 2):
+            dv, dk = _shared_block(k, v, q_smem, do_smem, q_ready, q_empty, ds_smem, ds_ready,
+                                   k_smem, dq_desc, dv, dk, s_zero, dq_zero, LSE, DELTA,
+                                   row_base, offs_n, key0, lo, jj, dq_row0, qk_scale, Lq, Lk, C,
+                                   HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, col_s, a_layout,
+                                   C == 0)  # fmt: skip
+            if jj + 1 < n_m:
+                dv, dk = _shared_block(k, v, q_smem, do_smem, q_ready, q_empty, ds_smem,
+                                       ds_ready, k_smem, dq_desc, dv, dk, s_zero, dq_zero, LSE,
+                                       DELTA, row_base, offs_n, key0, lo, jj + 1, dq_row0,
+                                       qk_scale, Lq, Lk, C, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
+                                       col_s, a_layout, second)  # fmt: skip
     else:
         for j in range(n_m):
             s = j % STAGES
-            offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M, col_s)
-            q, do, s_t, dp_t = _issue_scores(k, v, q_smem, do_smem, q_ready, j, s_zero, HEAD_DIM,
-                                             BLOCK_M, STAGES)  # fmt: skip
-            s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
-            p_t = _probs(s_t, offs_m, lse, offs_n, key0, (lo + j) * BLOCK_M, qk_scale, Lk,
-                         IS_CAUSAL)  # fmt: skip
-            # dV's product is issued first, so dS^T is formed while the tensor cores run it
-            p_op = gl.convert_layout(p_t.to(dtype), a_layout)
-            dv = warpgroup_mma(p_op, do, dv, is_async=True)
-            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-            ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
-            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-            if DQ >= DQ_SHARED:
-                dv, dk = _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk,
-                                    dq_zero, j, s, dq_row0 + (lo + j) * BLOCK_M, C,
-                                    HEAD_DIM, DQ == DQ_SHARED_C0)  # fmt: skip
-            elif DQ:  # dS (this block's rows) K: dS^T through shared memory, read transposed
+            ds_t, q, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero,
+                                              LSE, DELTA, row_base, offs_n, key0, lo, j,
+                                              qk_scale, Lq, Lk, HEAD_DIM, BLOCK_M, STAGES,
+                                              IS_CAUSAL, col_s, a_layout)  # fmt: skip
+            if DQ:  # dS (this block's rows) K: dS^T through shared memory, read transposed
                 ds_slot = ds_smem.index(C)
                 ds_slot.store(ds_t.to(dtype))
                 fence_async_shared()
@@ -386,11 +416,13 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, D
 # On an H100 (results/2026-12-07-h100-gluon-bwd-dkdv-80271b7.md, -6758e8f.md) the plain
 # loop ran 0.93-1.10x our dK/dV kernel's speed at either stage count, DQ_ATOMIC 0.59-0.67x
 # dK/dV + dQ; OVERLAP 0.85-0.96x at E=64, 0.75-0.92x at E=128 (which spills causal).
+# DQ_TMA 0.75-0.88x, DQ_SHARED with a runtime branch (dV/dK waited before dq's product)
+# 0.88-0.96x (-dqtma-bc714fd.md, -dqshared-bc714fd.md). Not yet run: DQ_SHARED in pairs
+# (the branch compile-time) and DQ_SHARED_C0; both spill 32-144 bytes at 2 stages, none at 3.
 VARIANTS = [(64, 64, 2, 0, False), (64, 64, 2, 0, True), (64, 64, 3, 0, True),
             (128, 32, 2, 0, False), (128, 32, 2, 0, True),
             (64, 64, 2, DQ_ATOMIC.value, False), (64, 64, 2, DQ_TMA.value, False),
-            (64, 64, 3, DQ_TMA.value, False), (64, 64, 2, DQ_SHARED.value, False),
-            (64, 64, 3, DQ_SHARED.value, False), (64, 64, 2, DQ_SHARED_C0.value, False),
+            (64, 64, 3, DQ_TMA.value, False), (64, 64, 3, DQ_SHARED.value, False),
             (64, 64, 3, DQ_SHARED_C0.value, False)]  # fmt: skip
 
 
