@@ -17,8 +17,8 @@ no mask, no GQA, dense, causal with Lq == Lk (top-left).
 
 That schedule ran 0.93-1.10x our dK/dV kernel's speed on an H100; OVERLAP (block j's S^T
 and dP^T issued ahead of block j-1's dV and dK products, as the forward's OVERLAP) 0.75-0.96x.
-With dq fused (DQ modes below; cuDNN's backward is one kernel as fast as our dK/dV kernel
-alone), against our dK/dV + dQ kernels: element atomics 0.59-0.67x, a TMA reduction a
+With dq fused (DQ modes below; cuDNN's whole backward takes 1.05-1.3x our dK/dV kernel's
+time), against our dK/dV + dQ kernels: element atomics 0.59-0.67x, a TMA reduction a
 consumer 0.75-0.88x, one TMA reduction a block of both consumers' dS K (DQ_SHARED, then with
 a runtime branch) 0.88-0.96x; its compile-time form (blocks in pairs) is not yet run.
 """
@@ -36,7 +36,7 @@ import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language._core import _unwrap_if_constexpr, builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -64,6 +64,11 @@ def _tma_reduce_add(desc, coord, value, _semantic=None):
     """``value`` added into ``desc``'s block at ``coord`` by a TMA reduction: Triton's
     descriptor_atomic_add, which Gluon 3.6 does not wrap; its TMA lowering stages ``value``
     through shared memory and waits only for that to be read (cp.reduce.async.bulk.tensor)."""
+    shape = [_unwrap_if_constexpr(n) for n in value.shape]
+    block = [_unwrap_if_constexpr(n) for n in desc.block_type.shape]
+    if shape != block or value.dtype != desc.block_type.element_ty or len(coord) != len(block):
+        got = f"a {value.dtype} {shape} value at {len(coord)} coordinates"
+        raise ValueError(f"_tma_reduce_add: {got} into {desc.block_type.element_ty} {block} blocks")
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     kind = ir.DESCRIPTOR_REDUCE_KIND.ADD
     _semantic.builder.create_descriptor_reduce(kind, desc.handle, value.handle, coord)
@@ -196,8 +201,7 @@ def _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk, dq_zer
     COMPUTES is compile-time (the caller unrolls blocks in pairs): a runtime branch could not
     leave dV's and dK's products in flight behind dq's on one side only."""
     half: gl.constexpr = ds_t.shape[0]
-    if j > 0:
-        mbarrier.wait(ds_ready, (j - 1) & 1)
+    mbarrier.wait(ds_ready, (j - 1) & 1)  # at j = 0 parity 1: a fresh barrier passes
     buf = ds_smem.index(j % 2)
     buf.slice(C * half, half).store(ds_t.to(ds_smem.dtype))
     fence_async_shared()
@@ -205,8 +209,11 @@ def _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk, dq_zer
     if COMPUTES:
         mbarrier.wait(ds_ready, j & 1)
         dq = _dq_product(buf, k_smem, dq_zero, half, HEAD_DIM)
-        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+        # dq's two products (commit groups) read neither q nor dO: the slot goes once dV's
+        # and dK's are done
+        dv, dk = warpgroup_mma_wait(num_outstanding=2, deps=(dv, dk))
         mbarrier.arrive(q_empty.index(s), count=1)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         _tma_reduce_add(dq_desc, [dq_row, 0], dq)
     else:
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
@@ -220,7 +227,7 @@ def _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA, 
                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, col_s: gl.constexpr,
                     a_layout: gl.constexpr):  # fmt: skip
     """Block j of the plain loop up to dV's and dK's products, issued (in flight): returns
-    dS^T, q's slot, dv and dk."""
+    dS^T, dv and dk."""
     dtype: gl.constexpr = q_smem.dtype
     offs_m, lse, delta = _row_stats(LSE, DELTA, row_base, j, lo, Lq, BLOCK_M, col_s)
     q, do, s_t, dp_t = _issue_scores(k, v, q_smem, do_smem, q_ready, j, s_zero, HEAD_DIM,
@@ -233,7 +240,7 @@ def _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA, 
     ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
     ds_op = gl.convert_layout(ds_t.to(dtype), a_layout)
     dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-    return ds_t, q, dv, dk
+    return ds_t, dv, dk
 
 
 @gluon.jit
@@ -244,8 +251,8 @@ def _shared_block(k, v, q_smem, do_smem, q_ready, q_empty, ds_smem, ds_ready, k_
                   col_s: gl.constexpr, a_layout: gl.constexpr,
                   COMPUTES: gl.constexpr):  # fmt: skip
     """Block j with DQ_SHARED(_C0): the plain loop's products, then _shared_dq."""
-    ds_t, q, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA,
-                                      row_base, offs_n, key0, lo, j, qk_scale, Lq, Lk, HEAD_DIM,
+    ds_t, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA,
+                                   row_base, offs_n, key0, lo, j, qk_scale, Lq, Lk, HEAD_DIM,
                                       BLOCK_M, STAGES, IS_CAUSAL, col_s, a_layout)  # fmt: skip
     return _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk, dq_zero, j,
                       j % STAGES, dq_row0 + (lo + j) * BLOCK_M, C, HEAD_DIM, COMPUTES)  # fmt: skip
@@ -256,9 +263,10 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
                     OVERLAP: gl.constexpr):  # fmt: skip
     """Consumer C: keys start_n + C * 64 ... + 63; dk (scaled) and dv stored at the end; with
-    DQ, also this block's dS K added into DQ_ACC (float32, unscaled) by element atomics
-    (DQ_ATOMIC) or a TMA reduction through dq_desc (DQ_TMA); OVERLAP: the loop of
-    _dkdv_overlapped (without DQ)."""
+    DQ, also this block's dS K added into DQ_ACC (float32, unscaled): by element atomics
+    (DQ_ATOMIC, which alone reads DQ_ACC and the q strides) or by TMA reductions through
+    dq_desc at row dq_row0 + the block's (DQ_TMA, DQ_SHARED, DQ_SHARED_C0); OVERLAP: the
+    loop of _dkdv_overlapped (without DQ)."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_ready, q_ready, q_empty, LSE, DELTA,
      DK, DV, DQ_ACC, dq_desc, dq_row0, stride_lb, stride_lh, stride_kb, stride_kh, stride_kn,
      stride_qb, stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m, scale, Lq,
@@ -284,6 +292,7 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
     row_base = off_b * stride_lb + off_h * stride_lh
     if DQ:
         dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    if DQ == DQ_ATOMIC:
         dq_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
         dq_base = off_b * stride_qb + off_h * stride_qh
 
@@ -297,13 +306,14 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
                                   HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, col_s,
                                   a_layout)  # fmt: skip
     elif DQ >= DQ_SHARED:  # blocks in pairs: which consumer forms dq is compile-time
+        first: gl.constexpr = C == 0
         second: gl.constexpr = C == (0 if DQ == DQ_SHARED_C0 else 1)
         for jj in range(0, n_m, 2):
             dv, dk = _shared_block(k, v, q_smem, do_smem, q_ready, q_empty, ds_smem, ds_ready,
                                    k_smem, dq_desc, dv, dk, s_zero, dq_zero, LSE, DELTA,
                                    row_base, offs_n, key0, lo, jj, dq_row0, qk_scale, Lq, Lk, C,
                                    HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, col_s, a_layout,
-                                   C == 0)  # fmt: skip
+                                   first)  # fmt: skip
             if jj + 1 < n_m:
                 dv, dk = _shared_block(k, v, q_smem, do_smem, q_ready, q_empty, ds_smem,
                                        ds_ready, k_smem, dq_desc, dv, dk, s_zero, dq_zero, LSE,
@@ -313,10 +323,10 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
     else:
         for j in range(n_m):
             s = j % STAGES
-            ds_t, q, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero,
-                                              LSE, DELTA, row_base, offs_n, key0, lo, j,
-                                              qk_scale, Lq, Lk, HEAD_DIM, BLOCK_M, STAGES,
-                                              IS_CAUSAL, col_s, a_layout)  # fmt: skip
+            ds_t, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE,
+                                           DELTA, row_base, offs_n, key0, lo, j, qk_scale, Lq,
+                                           Lk, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, col_s,
+                                           a_layout)  # fmt: skip
             if DQ:  # dS (this block's rows) K: dS^T through shared memory, read transposed
                 ds_slot = ds_smem.index(C)
                 ds_slot.store(ds_t.to(dtype))
@@ -356,7 +366,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, D
                                 DQ: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
     """dk, dv (and with DQ their programs' shares of dq) of 128 keys of one (batch, head); see
     the module docstring. Descriptors are rank 4 over (B, H, L, E): q and do in blocks of
-    BLOCK_M rows, k and v of 64; dq_desc (DQ_TMA only) rank 2 over DQ_ACC as (B H Lq, E)."""
+    BLOCK_M rows, k and v of 64; dq_desc (DQ >= DQ_TMA) rank 2 over DQ_ACC as (B H Lq, E)."""
     start_n = gl.program_id(0) * 2 * HALF_N
     off_bh = gl.program_id(1)
     off_b = off_bh // H
@@ -384,7 +394,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, D
         ds_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, BLOCK_M], ds_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # DQ_SHARED only
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # used by DQ_SHARED(_C0) only
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     mbarrier.init(kv_bar, count=1)
@@ -452,7 +462,7 @@ def dkdv(q, k, v, do, lse, delta, scale, causal, variant, poison=False):
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq else lse
     descs = [_descriptor(q, block_m), _descriptor(k, 64), _descriptor(v, 64),
              _descriptor(do, block_m)]  # fmt: skip
-    # without DQ_TMA q's descriptor stands in, never read
+    # without a TMA mode (DQ >= DQ_TMA) q's descriptor stands in, never read
     tma_dq = dq >= DQ_TMA.value
     descs.append(_dq_descriptor(dq_acc, block_m) if tma_dq else descs[0])
     grid = (_cdiv(Lk, 128), B * H)
