@@ -253,7 +253,7 @@ def _shared_block(k, v, q_smem, do_smem, q_ready, q_empty, ds_smem, ds_ready, k_
     """Block j with DQ_SHARED(_C0): the plain loop's products, then _shared_dq."""
     ds_t, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA,
                                    row_base, offs_n, key0, lo, j, qk_scale, Lq, Lk, HEAD_DIM,
-                                      BLOCK_M, STAGES, IS_CAUSAL, col_s, a_layout)  # fmt: skip
+                                   BLOCK_M, STAGES, IS_CAUSAL, col_s, a_layout)  # fmt: skip
     return _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk, dq_zero, j,
                       j % STAGES, dq_row0 + (lo + j) * BLOCK_M, C, HEAD_DIM, COMPUTES)  # fmt: skip
 
@@ -404,10 +404,9 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, D
         mbarrier.init(q_empty.index(s), count=2)  # one arrival per consumer
 
     args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_ready, q_ready, q_empty, LSE,
-            DELTA,
-            DK, DV, DQ_ACC, dq_desc, off_bh * Lq, stride_lb, stride_lh, stride_kb, stride_kh,
-            stride_kn, stride_qb, stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m, scale,
-            Lq, Lk)  # fmt: skip
+            DELTA, DK, DV, DQ_ACC, dq_desc, off_bh * Lq, stride_lb, stride_lh, stride_kb,
+            stride_kh, stride_kn, stride_qb, stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m,
+            scale, Lq, Lk)  # fmt: skip
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
                  q_ready, q_empty, off_b, off_h, start_n, lo, n_m)  # fmt: skip
     gl.warp_specialize(
