@@ -566,22 +566,14 @@ def run_check() -> int:
 
 
 def _triton_bwd_ms(q, k, v, do, causal) -> tuple[float, float]:
-    """Our Triton dK/dV and dQ kernels' times inside flash_jvp's backward (profiler, mean of
-    10 runs)."""
+    """Our Triton dK/dV and dQ kernels' times inside flash_jvp's backward (bwd_kernels.py's
+    profile, mean of 10 runs)."""
+    from bwd_kernels import kernel_times
+
     import flash_jvp
 
-    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-    o = flash_jvp.attention(qq, kk, vv, is_causal=causal)
-    run = lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)  # noqa: E731
-    run()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            run()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    return tuple(sum(e.device_time_total for e in events if name in e.key) / 10 / 1000
-                 for name in ("bwd_dkdv", "bwd_dq"))  # fmt: skip
+    rows = kernel_times(functools.partial(flash_jvp.attention, is_causal=causal), q, k, v, do)
+    return tuple(sum(ms for key, ms, _ in rows if name in key) for name in ("bwd_dkdv", "bwd_dq"))
 
 
 def run_time(out: str | None) -> int:
