@@ -57,6 +57,16 @@ DQ_ATOMIC = gl.constexpr(1)
 DQ_TMA = gl.constexpr(2)
 DQ_SHARED = gl.constexpr(3)
 DQ_SHARED_C0 = gl.constexpr(4)
+# DQ_WG: a third 4-warp partition forms dq = dS K from both consumers' dS^T in shared memory
+# (NB_DS buffers) and reduces it; the consumers never wait for each other, only for a free
+# dS^T buffer (FlashAttention-3's dQ path moved off the consumers)
+DQ_WG = gl.constexpr(5)
+NB_DS = gl.constexpr(2)
+# timing only (racy or wrong dq, never checked): 1 skips dq's TMA reduction
+WG_REGS = gl.constexpr(
+    tuple(int(r) for r in os.environ.get("GLUON_BWD_WG_REGS", "208,80").split(","))
+)
+ABLATE = gl.constexpr(int(os.environ.get("GLUON_BWD_ABLATE", "0")))
 
 
 @builtin
@@ -222,6 +232,29 @@ def _shared_dq(ds_t, ds_smem, ds_ready, k_smem, q_empty, dq_desc, dv, dk, dq_zer
 
 
 @gluon.jit
+def _dq_partition(args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """DQ_WG: per query block, once both consumers' dS^T halves are in buffer j % NB_DS,
+    dq = dS K over the 128 keys, the buffer released, dq added at its rows by a TMA
+    reduction."""
+    (ds_smem, k_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, lo, n_m) = args
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    mbarrier.wait(kv_bar, 0)
+    for j in range(n_m):
+        b = j % NB_DS
+        mbarrier.wait(ds_full.index(b), (j // NB_DS) & 1)
+        dq = _dq_product(ds_smem.index(b), k_smem, dq_zero, HALF_N, HEAD_DIM)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(ds_empty.index(b), count=1)
+        if ABLATE != 1:
+            _tma_reduce_add(dq_desc, [dq_row0 + (lo + j) * BLOCK_M, 0], dq)
+        elif dq_row0 < 0:  # never: keeps dq's products alive without the reduction
+            _tma_reduce_add(dq_desc, [0, 0], dq)
+
+
+@gluon.jit
 def _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA, row_base, offs_n,
                     key0, lo, j, qk_scale, Lq, Lk, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, col_s: gl.constexpr,
@@ -267,10 +300,10 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
     (DQ_ATOMIC, which alone reads DQ_ACC and the q strides) or by TMA reductions through
     dq_desc at row dq_row0 + the block's (DQ_TMA, DQ_SHARED, DQ_SHARED_C0); OVERLAP: the
     loop of _dkdv_overlapped (without DQ)."""
-    (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_ready, q_ready, q_empty, LSE, DELTA,
-     DK, DV, DQ_ACC, dq_desc, dq_row0, stride_lb, stride_lh, stride_kb, stride_kh, stride_kn,
-     stride_qb, stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m, scale, Lq,
-     Lk) = args  # fmt: skip
+    (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_ready, ds_full, ds_empty, q_ready,
+     q_empty, LSE, DELTA, DK, DV, DQ_ACC, dq_desc, dq_row0, stride_lb, stride_lh, stride_kb,
+     stride_kh, stride_kn, stride_qb, stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m,
+     scale, Lq, Lk) = args  # fmt: skip
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -305,6 +338,19 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
                                   DELTA, row_base, offs_n, key0, lo, n_m, qk_scale, Lq, Lk,
                                   HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, col_s,
                                   a_layout)  # fmt: skip
+    elif DQ == DQ_WG:  # dS^T handed to the dq partition
+        for j in range(n_m):
+            ds_t, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE,
+                                           DELTA, row_base, offs_n, key0, lo, j, qk_scale, Lq,
+                                           Lk, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, col_s,
+                                           a_layout)  # fmt: skip
+            b = j % NB_DS
+            mbarrier.wait(ds_empty.index(b), ((j // NB_DS) & 1) ^ 1)  # fresh: passes
+            ds_smem.index(b).slice(C * HALF_N, HALF_N).store(ds_t.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(ds_full.index(b), count=1)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(j % STAGES), count=1)
     elif DQ >= DQ_SHARED:  # blocks in pairs: which consumer forms dq is compile-time
         first: gl.constexpr = C == 0
         second: gl.constexpr = C == (0 if DQ == DQ_SHARED_C0 else 1)
@@ -384,7 +430,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, D
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
     ds_smem = q_smem  # without DQ a placeholder, never read (DQ is compile-time)
-    if DQ >= DQ_SHARED:  # two buffers of both consumers' dS^T
+    if DQ >= DQ_SHARED:  # two buffers of both consumers' dS^T (NB_DS with DQ_WG)
         ds_layout_2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                          element_bitwidth=16)  # fmt: skip
         ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF_N, BLOCK_M], ds_layout_2)
@@ -395,29 +441,47 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, D
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # used by DQ_SHARED(_C0) only
+    ds_full = gl.allocate_shared_memory(gl.int64, [NB_DS, 1], bar_layout)  # DQ_WG only
+    ds_empty = gl.allocate_shared_memory(gl.int64, [NB_DS, 1], bar_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(ds_ready, count=2)  # one arrival per consumer
+    for b in gl.static_range(NB_DS):
+        mbarrier.init(ds_full.index(b), count=2)  # one arrival per consumer
+        mbarrier.init(ds_empty.index(b), count=1)  # the dq partition's
     for s in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(q_empty.index(s), count=2)  # one arrival per consumer
 
-    args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_ready, q_ready, q_empty, LSE,
-            DELTA, DK, DV, DQ_ACC, dq_desc, off_bh * Lq, stride_lb, stride_lh, stride_kb,
-            stride_kh, stride_kn, stride_qb, stride_qh, stride_qm, off_b, off_h, start_n, lo, n_m,
-            scale, Lq, Lk)  # fmt: skip
+    args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_ready, ds_full, ds_empty,
+            q_ready, q_empty, LSE, DELTA, DK, DV, DQ_ACC, dq_desc, off_bh * Lq, stride_lb,
+            stride_lh, stride_kb, stride_kh, stride_kn, stride_qb, stride_qh, stride_qm, off_b,
+            off_h, start_n, lo, n_m, scale, Lq, Lk)  # fmt: skip
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
                  q_ready, q_empty, off_b, off_h, start_n, lo, n_m)  # fmt: skip
-    gl.warp_specialize(
-        [
-            (_dkdv_partition, (args, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ, OVERLAP)),
-            (_dkdv_partition, (args, 1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ, OVERLAP)),
-            (_load_partition, (load_args, BLOCK_M, STAGES)),
-        ],
-        [4, 1],
-        [240, 24],
-    )  # fmt: skip
+    if DQ == DQ_WG:
+        dq_args = (ds_smem, k_smem, kv_bar, ds_full, ds_empty, dq_desc, off_bh * Lq, lo, n_m)
+        gl.warp_specialize(
+            [
+                (_dkdv_partition, (args, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ, OVERLAP)),
+                (_dkdv_partition, (args, 1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ, OVERLAP)),
+                (_load_partition, (load_args, BLOCK_M, STAGES)),
+                (_dq_partition, (dq_args, HEAD_DIM, BLOCK_M)),
+            ],
+            [4, 1, 4],
+            [WG_REGS[0], 24, WG_REGS[1]],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_dkdv_partition, (args, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ, OVERLAP)),
+                (_dkdv_partition, (args, 1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DQ, OVERLAP)),
+                (_load_partition, (load_args, BLOCK_M, STAGES)),
+            ],
+            [4, 1],
+            [240, 24],
+        )  # fmt: skip
 
 
 # (HEAD_DIM, BLOCK_M, STAGES, DQ, OVERLAP); E=128 at BLOCK_M 64 spills 144-160 bytes.
@@ -432,7 +496,8 @@ VARIANTS = [(64, 64, 2, 0, False), (64, 64, 2, 0, True), (64, 64, 3, 0, True),
             (128, 32, 2, 0, False), (128, 32, 2, 0, True),
             (64, 64, 2, DQ_ATOMIC.value, False), (64, 64, 2, DQ_TMA.value, False),
             (64, 64, 3, DQ_TMA.value, False), (64, 64, 3, DQ_SHARED.value, False),
-            (64, 64, 3, DQ_SHARED_C0.value, False)]  # fmt: skip
+            (64, 64, 3, DQ_SHARED_C0.value, False), (64, 64, 2, DQ_WG.value, False),
+            (64, 64, 3, DQ_WG.value, False)]  # fmt: skip
 
 
 def _dq_descriptor(dq_acc, block_m: int):
