@@ -24,11 +24,13 @@ import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flash_jvp import _ops
 from flash_jvp._utils import Spec
 from flash_jvp.kernels import configs, ws_barriers
+from flash_jvp.kernels.bwd_hopper import attn_bwd_hopper_kernel
 from flash_jvp.kernels.fwd_hopper import HALF_M, attn_fwd_hopper_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -53,21 +55,22 @@ class _Recorder:
 
 def record(problem) -> list:
     """The launches (kernel, config, arguments) of one fwd+JVP and one backward: the Triton
-    kernels, with the Gluon forward's route (configs.HOPPER) emptied (--hopper reports it)."""
+    kernels, with the Gluon routes (configs.HOPPER, HOPPER_BWD) emptied (--hopper reports
+    them)."""
     calls = []
     saved = (_ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel,
-             _ops._tma_capable, configs.HOPPER)  # fmt: skip
+             _ops._tma_capable, configs.HOPPER, configs.HOPPER_BWD)  # fmt: skip
     _ops._launch = _Recorder(calls)
     _ops._tma_capable = lambda device: True  # as on sm_90
     _ops.attn_bwd_preprocess_kernel = _Recorder([])
     _ops.mask_ranges_kernel = _Recorder(calls, saved[2])
-    configs.HOPPER = {}
+    configs.HOPPER, configs.HOPPER_BWD = {}, {}
     _ops.forget_configs()
     try:
         problem()
     finally:
         (_ops._launch, _ops.attn_bwd_preprocess_kernel, _ops.mask_ranges_kernel,
-         _ops._tma_capable, configs.HOPPER) = saved  # fmt: skip
+         _ops._tma_capable, configs.HOPPER, configs.HOPPER_BWD) = saved  # fmt: skip
         _ops.forget_configs()
     return calls
 
@@ -157,6 +160,39 @@ def hopper_reports() -> list[tuple[str, str]]:
                 if getattr(cfg, f) != configs.HopperConfig._field_defaults[f]:
                     flags += f" {f} {getattr(cfg, f)}"
             out.append((f"{label:24} BLOCK_N {cfg.block_n} stages {cfg.stages}{flags}", res))
+    return out + hopper_bwd_reports()
+
+
+def hopper_bwd_reports() -> list[tuple[str, str]]:
+    """(label, report) of the Gluon backward (configs.HOPPER_BWD, causal or not), compiled with
+    the descriptors _ops._attn_bwd_hopper passes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "scale": "fp32"}
+    out = []
+    for e, cfg in configs.HOPPER_BWD.items():
+        x = torch.empty(2, 4, 1024, e, dtype=torch.bfloat16)
+        acc = torch.empty(2 * 4 * 1024, e)
+        layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, e], gl.float32)
+        descs = dict(q_desc=_ops._descriptor(x, cfg.block_m), k_desc=_ops._descriptor(x, 64),
+                     v_desc=_ops._descriptor(x, 64), do_desc=_ops._descriptor(x, cfg.block_m),
+                     dq_desc=TensorDescriptor(acc, list(acc.shape), list(acc.stride()),
+                                              [cfg.block_m, e], layout))  # fmt: skip
+        for causal in (False, True):
+            consts = dict(HEAD_DIM=e, BLOCK_M=cfg.block_m, STAGES=cfg.stages, IS_CAUSAL=causal,
+                          CONSUMER_REGS=cfg.regs, DQ_REGS=cfg.dq_regs)  # fmt: skip
+            sig = {}
+            for p in attn_bwd_hopper_kernel.params:
+                if p.name in descs:
+                    desc = descs[p.name]
+                    sig[p.name] = native_specialize_impl(BaseBackend, desc, False, True, True)[0]
+                else:
+                    sig[p.name] = "constexpr" if p.is_constexpr else pointers.get(p.name, "i32")
+            res = _compile_report(attn_bwd_hopper_kernel, sig, consts, {}, {"num_warps": 4},
+                                  GluonASTSource)  # fmt: skip
+            label = f"E{e:3d} bwd_hopper{' causal' if causal else ''}"
+            flags = f"BLOCK_M {cfg.block_m} stages {cfg.stages} regs {cfg.regs} dq {cfg.dq_regs}"
+            out.append((f"{label:24} {flags}", res))
     return out
 
 
@@ -223,7 +259,9 @@ def main():
         help="the backward through the tangent (reverse mode through o_t)",
     )
     parser.add_argument(
-        "--hopper", action="store_true", help="the Gluon forward's variants (kernels/fwd_hopper.py)"
+        "--hopper",
+        action="store_true",
+        help="the Gluon forward's and backward's variants (kernels/*_hopper.py)",
     )
     args = parser.parse_args()
     if args.hopper:

@@ -1,5 +1,6 @@
-"""The Gluon forward (kernels/fwd_hopper.py) compiles for sm_90 on any machine, CI's too:
-every variant of configs.HOPPER_CANDIDATES, causal or not, with no register spill and
+"""The Gluon forward (kernels/fwd_hopper.py) and backward (kernels/bwd_hopper.py) compile for
+sm_90 on any machine, CI's too: every variant of configs.HOPPER_CANDIDATES and HOPPER_BWD,
+causal or not, with no register spill and
 within Hopper's shared memory (scripts/compile_sm90.py --hopper prints the same reports).
 Running it needs a Hopper GPU: tests/test_hopper.py.
 
@@ -31,6 +32,7 @@ def test_every_offered_variant_compiles_without_spills():
     assert run.returncode == 0, run.stderr
     reports = [line.split(": ", 1) for line in run.stdout.splitlines() if line.strip()]
     n = sum(len(variants) for variants in configs.HOPPER_CANDIDATES.values())
+    n += len(configs.HOPPER_BWD)
     assert len(reports) == 2 * n, run.stdout
     for label, res in reports:
         assert not res.startswith("ERROR"), f"{label}: {res}"

@@ -21,6 +21,7 @@ from . import _plans
 from ._utils import INTERPRET, MAX_GRID_Y, Spec, tangent_bwd_outputs, tangent_bwd_runs
 from .kernels import configs
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from .kernels.bwd_hopper import HALF_N, attn_bwd_hopper_kernel
 from .kernels.configs import Config
 from .kernels.fwd import attn_fwd_kernel
 from .kernels.fwd_hopper import HALF_M, attn_fwd_hopper_kernel
@@ -599,6 +600,10 @@ def attn_bwd_tangent(
         _mask_args(mask, lay, mask_min, by_keys=True),
         _mask_args(mask, lay, mask_min, by_keys=False, grad=mask_grad or mask_t_grad),
     )
+    hopper = None if tangent else _hopper_bwd(lay, spec, mask, (q4, k4, v4, do4))
+    if hopper is not None:
+        _attn_bwd_hopper(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, lay, spec, hopper)
+        return (*grads, _cast(dmask, mask), _cast(dmask_t, mask))
     # dS_t reaches dmask_t only with a tangent of the scores; the TANGENT dQ kernel gives
     # dq_t and dmask_t beside dq (kernels/bwd.py)
     mask_t_grad = mask_t_grad and tangent_s
@@ -615,6 +620,59 @@ def attn_bwd_tangent(
         dk_t4, dv_t4 = (_scratch(x4, x, spec, lay.B) for x4, x in ((dk_t4, k), (dv_t4, v)))
         _bwd_launches(common, masks, mask, lay, do_t4, gamma, None, dk_t4, dv_t4, None)
     return (*grads, _cast(dmask, mask), _cast(dmask_t, mask))
+
+
+def _hopper_bwd(
+    lay: _Layout, spec: Spec, mask: Tensor | None, views: tuple
+) -> configs.HopperBwdConfig | None:
+    """The variant of the Gluon warp-specialised backward (kernels/bwd_hopper.py) for these
+    (B, H, L, E) views of q, k, v, do, or None where it does not run (its scope: that
+    module's docstring; configs.HOPPER_BWD; deterministic algorithms requested, as its dq
+    sums in varying order)."""
+    chosen = configs.HOPPER_BWD.get(lay.D)
+    q, do = views[0], views[3]
+    if (
+        chosen is None
+        or do is None
+        or mask is not None
+        or spec.varlen
+        or lay.DV != lay.D
+        or lay.H_KV != lay.H
+        or min(lay.Lq, lay.Lk) < configs.HOPPER_BWD_MIN_L
+        or lay.B * lay.H > MAX_GRID_Y
+        # dk's and dv's pointer offsets (fresh contiguous buffers) and dq's TMA row
+        # coordinates are 32-bit in the kernel
+        or lay.B * lay.H * max(lay.Lq, lay.Lk) * lay.D >= 2**31
+        or INTERPRET
+        or q.dtype not in (torch.float16, torch.bfloat16)
+        or not _tma_capable(q.device)
+        or torch.are_deterministic_algorithms_enabled()
+    ):
+        return None
+    return chosen
+
+
+def _attn_bwd_hopper(q, k, v, do, lse, delta, dq, dk, dv, lay: _Layout, spec: Spec,
+                     cfg: configs.HopperBwdConfig) -> None:  # fmt: skip
+    """Launch kernels/bwd_hopper.py on (B, H, L, E) views: dq through a zeroed float32
+    accumulator its programs add into, scaled and cast into ``dq`` after. Unplanned (host
+    descriptors hold the tensors' addresses)."""
+    _plans.unplannable()
+    keys = HALF_N.value
+    dq_acc = torch.zeros(lay.B * lay.H * lay.Lq, lay.D, device=q.device, dtype=torch.float32)
+    layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, lay.D], gl.float32)
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()),
+                               [cfg.block_m, lay.D], layout)  # fmt: skip
+    grid = (_cdiv(lay.Lk, 2 * keys), lay.B * lay.H)
+    attn_bwd_hopper_kernel[grid](
+        _descriptor(q, cfg.block_m), _descriptor(k, keys), _descriptor(v, keys),
+        _descriptor(do, cfg.block_m), dq_desc, lse, delta, dk, dv, lse.stride(0), lse.stride(1),
+        *dk.stride()[:3], *dv.stride()[:3], spec.scale, spec.causal_offset or 0, lay.H, lay.Lq,
+        lay.Lk, HEAD_DIM=lay.D, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+        IS_CAUSAL=spec.causal_offset is not None, CONSUMER_REGS=cfg.regs, DQ_REGS=cfg.dq_regs,
+        num_warps=4,
+    )  # fmt: skip
+    dq.copy_(dq_acc.view(lay.B, lay.H, lay.Lq, lay.D).mul_(spec.scale))
 
 
 def _bwd_launches(

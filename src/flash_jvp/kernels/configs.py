@@ -172,6 +172,26 @@ HOPPER: dict[tuple[bool, int], HopperConfig] = dict(HOPPER_COMPILED)
 HOPPER_MIN_LK = SHORT_LK
 
 
+class HopperBwdConfig(NamedTuple):
+    """The Gluon warp-specialised backward (kernels/bwd_hopper.py): BLOCK_M query rows per
+    block, STAGES ring slots for q and dO; regs, dq_regs: registers per thread (setmaxnreg)
+    of consumer 1 and the dq partition (the producer warp 24; consumer 0 gets the rest)."""
+
+    block_m: int
+    stages: int
+    regs: int
+    dq_regs: int
+
+
+# HEAD_DIM -> the variant routed to (None: none). At E=64 against our dK/dV + dQ kernels, on
+# an H100 (results/2026-12-07-h100-gluon-bwd-dqwg-59318c6.md, benchmarks/gluon_bwd.py DQ_WG),
+# L 4096 / 8192 non-causal then causal: 1.18 / 1.27, 1.14 / 1.22 (2 stages 1.14-1.22; 200
+# and 88 registers 1.13-1.24). Changed at run time, it needs _ops.forget_configs().
+HOPPER_BWD: dict[int, HopperBwdConfig] = {64: HopperBwdConfig(64, 3, 216, 72)}
+# Only where both lengths reach this (measured from 4096 up)
+HOPPER_BWD_MIN_L = 4096
+
+
 def bucket(width: int, dtype: torch.dtype) -> int | str:
     """The _BEST key of a kernel whose widest tile row has ``width`` columns."""
     return "fp32" if dtype == torch.float32 else next(b for b in (64, 96, 128, 256) if width <= b)
