@@ -184,7 +184,8 @@ class HopperBwdConfig(NamedTuple):
 
 
 # HEAD_DIM -> the variant routed to (None: none). At E=64 against our dK/dV + dQ kernels, on
-# an H100 (results/2026-12-07-h100-gluon-bwd-dqwg-59318c6.md, benchmarks/gluon_bwd.py DQ_WG),
+# an H100 (results/2026-12-07-h100-gluon-bwd-dqwg-59318c6.md: the DQ_WG mode of the
+# prototype benchmarks/gluon_bwd.py, removed after 18b89b8),
 # L 4096 / 8192 non-causal then causal: 1.18 / 1.27, 1.14 / 1.22 (2 stages 1.14-1.22; 200
 # and 88 registers 1.13-1.24). Changed at run time, it needs _ops.forget_configs().
 HOPPER_BWD: dict[int, HopperBwdConfig] = {64: HopperBwdConfig(64, 3, 216, 72)}
