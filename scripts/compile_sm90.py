@@ -24,7 +24,6 @@ import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
-from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flash_jvp import _ops
@@ -129,6 +128,18 @@ def _compile_report(kernel, sig, consts, attrs, options, source=ASTSource) -> st
             f"WARPSYNC {sass.count('WARPSYNC')}{flags}")  # fmt: skip
 
 
+def _gluon_signature(kernel, descs: dict, pointers: dict) -> dict:
+    """A Gluon kernel's signature: its descriptors specialised as the launcher would, its
+    constexprs, pointers and floats by name (``pointers``), every other argument i32."""
+    sig = {}
+    for p in kernel.params:
+        if p.name in descs:
+            sig[p.name] = native_specialize_impl(BaseBackend, descs[p.name], False, True, True)[0]
+        else:
+            sig[p.name] = "constexpr" if p.is_constexpr else pointers.get(p.name, "i32")
+    return sig
+
+
 def hopper_reports() -> list[tuple[str, str]]:
     """(label, report) of every Gluon forward variant (configs.HOPPER_CANDIDATES, causal or
     not), compiled with the rank-4 host descriptors _ops._attn_fwd_hopper passes."""
@@ -145,13 +156,7 @@ def hopper_reports() -> list[tuple[str, str]]:
             consts = dict(HEAD_DIM=e, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal,
                           TANGENT=tangent, O_TMA=cfg.o_tma, OVERLAP=cfg.overlap,
                           CONSUMER_REGS=cfg.regs, CONSUMERS=cfg.consumers)  # fmt: skip
-            sig = {}
-            for p in attn_fwd_hopper_kernel.params:
-                if p.name in names:
-                    desc = descs[names.index(p.name)]
-                    sig[p.name] = native_specialize_impl(BaseBackend, desc, False, True, True)[0]
-                else:
-                    sig[p.name] = "constexpr" if p.is_constexpr else pointers.get(p.name, "i32")
+            sig = _gluon_signature(attn_fwd_hopper_kernel, dict(zip(names, descs)), pointers)
             res = _compile_report(attn_fwd_hopper_kernel, sig, consts, {}, {"num_warps": 4},
                                   GluonASTSource)  # fmt: skip
             label = f"E{e:3d} fwd_hopper{'+jvp' if tangent else ''}{' causal' if causal else ''}"
@@ -166,28 +171,18 @@ def hopper_reports() -> list[tuple[str, str]]:
 def hopper_bwd_reports() -> list[tuple[str, str]]:
     """(label, report) of the Gluon backward (configs.HOPPER_BWD, causal or not), compiled with
     the descriptors _ops._attn_bwd_hopper passes."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "scale": "fp32"}
     out = []
     for e, cfg in configs.HOPPER_BWD.items():
         x = torch.empty(2, 4, 1024, e, dtype=torch.bfloat16)
-        acc = torch.empty(2 * 4 * 1024, e)
-        layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, e], gl.float32)
         descs = dict(q_desc=_ops._descriptor(x, cfg.block_m), k_desc=_ops._descriptor(x, 64),
                      v_desc=_ops._descriptor(x, 64), do_desc=_ops._descriptor(x, cfg.block_m),
-                     dq_desc=TensorDescriptor(acc, list(acc.shape), list(acc.stride()),
-                                              [cfg.block_m, e], layout))  # fmt: skip
+                     dq_desc=_ops._dq_descriptor(torch.empty(2 * 4 * 1024, e),
+                                                 cfg.block_m))  # fmt: skip
         for causal in (False, True):
             consts = dict(HEAD_DIM=e, BLOCK_M=cfg.block_m, STAGES=cfg.stages, IS_CAUSAL=causal,
                           CONSUMER_REGS=cfg.regs, DQ_REGS=cfg.dq_regs)  # fmt: skip
-            sig = {}
-            for p in attn_bwd_hopper_kernel.params:
-                if p.name in descs:
-                    desc = descs[p.name]
-                    sig[p.name] = native_specialize_impl(BaseBackend, desc, False, True, True)[0]
-                else:
-                    sig[p.name] = "constexpr" if p.is_constexpr else pointers.get(p.name, "i32")
+            sig = _gluon_signature(attn_bwd_hopper_kernel, descs, pointers)
             res = _compile_report(attn_bwd_hopper_kernel, sig, consts, {}, {"num_warps": 4},
                                   GluonASTSource)  # fmt: skip
             label = f"E{e:3d} bwd_hopper{' causal' if causal else ''}"

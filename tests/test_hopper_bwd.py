@@ -2,8 +2,9 @@
 _ops._hopper_bwd routes to it, dq, dk, dv right against float64 in every case it serves (odd
 lengths, causal with either alignment, rows and whole programs that see no key, keys fewer
 than a program's 128, (B, L, H, E) memory, fp16), with lse's cotangent, the same dk and dv
-bit for bit on unaligned or strided inputs as on contiguous copies, and not taken outside its
-scope (nor under torch.use_deterministic_algorithms: its dq sums in varying order).
+bit for bit on poisoned, unaligned or strided inputs as on contiguous copies, heads kept
+apart, and not taken outside its scope (nor under torch.use_deterministic_algorithms: its
+dq sums in varying order; tests/test_hopper_bwd_route.py checks the routing on any machine).
 
 Its length threshold (configs.HOPPER_BWD_MIN_L) is lowered here so short cases exercise it;
 one case runs past the shipped threshold.
@@ -14,13 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import CUDA, assert_matches_reference, qkv, randn
-from test_hopper import _bhle, _poisoned
+from test_hopper import _bhle, _broadcast, _poisoned
 from test_tangent_backward import assert_tangent_grads
 from torch.nn.attention.bias import causal_lower_right
 
 import flash_jvp
 from flash_jvp import _check, _ops
 from flash_jvp.kernels import configs
+from flash_jvp.reference import math_sdpa
 
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [
@@ -51,7 +53,7 @@ CASES = {
     "plain": (2, 2, 600, 600, {}),
     "odd": (1, 2, 777, 1000, {}),
     "long_q": (1, 2, 1000, 700, {}),
-    "few_keys": (1, 2, 300, 100, {}),  # consumer 1 sees no key
+    "few_keys": (1, 2, 300, 60, {}),  # consumer 1's keys all past Lk
     "one_query": (2, 2, 1, 1030, {}),
     "causal": (2, 2, 640, 640, {"is_causal": True}),
     "causal_top_left_long_q": (1, 2, 900, 600, {"is_causal": True}),
@@ -126,10 +128,11 @@ def test_lse_cotangent(monkeypatch, bwd_seen, causal):
         assert err <= bar, f"{name}: rel err {err:.3e} > {bar:.3e}"
 
 
-@pytest.mark.parametrize("layout", ["unaligned", "strided"])
+@pytest.mark.parametrize("layout", ["aligned", "unaligned", "strided"])
 def test_poisoned_inputs(bwd_seen, layout):
-    """q, k, v, do as slices of NaN-filled buffers TMA cannot describe (copied first): dk and
-    dv bit for bit those of contiguous copies, dq equal but for its sums' order."""
+    """q, k, v, do as slices of NaN-filled buffers, read through TMA where it can describe
+    them (aligned), copied first otherwise: dk and dv bit for bit those of contiguous copies,
+    dq equal but for its sums' order."""
     clean = [randn(2, 2, 650, 64, dtype=torch.bfloat16) for _ in range(4)]
     runs = []
     for xs in (clean, [_poisoned(x, layout) for x in clean]):
@@ -140,6 +143,24 @@ def test_poisoned_inputs(bwd_seen, layout):
     (dq, dk, dv), (dq2, dk2, dv2) = runs
     assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
     assert not dq2.isnan().any() and _check.rel_err(dq2, dq.double()) < 1e-2
+
+
+def test_heads_stay_apart(bwd_seen):
+    """inf in one head's keys leaves the other heads' gradients as they are without it: dq's
+    reductions of rows past Lq stay in their own head's padding (they are not zero there)."""
+    q, k, v, _, do = qkv(2, 2, 2, 650, 650, 64, dtype=torch.bfloat16)
+    runs = []
+    for bad in (False, True):
+        leaves = [x.detach().clone() for x in (q, k, v)]
+        if bad:
+            leaves[1][0, 0, 5] = float("inf")
+        leaves = [x.requires_grad_() for x in leaves]
+        runs.append(torch.autograd.grad(flash_jvp.attention(*leaves), leaves, do))
+    assert len(bwd_seen) == 2
+    for clean, dirty in zip(*runs):
+        assert torch.isfinite(dirty[0, 1]).all() and torch.isfinite(dirty[1]).all()
+        assert _check.rel_err(dirty[0, 1], clean[0, 1].double()) < 1e-2
+        assert _check.rel_err(dirty[1], clean[1].double()) < 1e-2
 
 
 def test_deterministic_algorithms_keep_the_triton_kernels(bwd_seen):
@@ -158,7 +179,9 @@ def test_deterministic_algorithms_keep_the_triton_kernels(bwd_seen):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-@pytest.mark.parametrize("case", ["e128", "gqa", "mask", "fp32", "varlen", "through_o_t"])
+@pytest.mark.parametrize(
+    "case", ["e128", "gqa", "mask", "fp32", "varlen", "through_o_t", "expanded_kv"]
+)
 def test_not_taken(bwd_seen, case):
     """Outside its scope the Triton kernels run, and are right."""
     E = 128 if case == "e128" else 64
@@ -172,6 +195,11 @@ def test_not_taken(bwd_seen, case):
     elif case == "through_o_t":  # a loss on o and o_t: the tangent backward
         do_t = randn(*do.shape, dtype=dtype)
         assert_tangent_grads(flash_jvp.attention, q, k, v, tangents, do, do_t)
+    elif case == "expanded_kv":  # one head of k and v expanded over 4: a stride of 0
+        k, v = (x[:, :1] for x in (k, v))
+        tangents = (tangents[0], tangents[1][:, :1], tangents[2][:, :1])
+        fn, ref = _broadcast(flash_jvp.attention, 1, 4), _broadcast(math_sdpa, 1, 4)
+        assert_matches_reference(fn, q, k, v, tangents, do, ref_fn=ref)
     else:
         kw = {"enable_gqa": True} if case == "gqa" else {}
         if case == "mask":

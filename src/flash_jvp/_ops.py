@@ -647,22 +647,32 @@ def _hopper_bwd(
         or q.dtype not in (torch.float16, torch.bfloat16)
         or not _tma_capable(q.device)
         or torch.are_deterministic_algorithms_enabled()
+        # as the forward (_hopper): broadcast views stay on the Triton kernels
+        or any(_expanded(x) for x in views if x is not None)
     ):
         return None
     return chosen
 
 
+def _dq_descriptor(dq_acc: Tensor, rows: int) -> TensorDescriptor:
+    """A rank-2 TMA descriptor over the float32 dq accumulator (B H Lq', E), blocks of ``rows``
+    rows: the Gluon backward's reduction target."""
+    block = [rows, dq_acc.shape[1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block, layout)
+
+
 def _attn_bwd_hopper(q, k, v, do, lse, delta, dq, dk, dv, lay: _Layout, spec: Spec,
                      cfg: configs.HopperBwdConfig) -> None:  # fmt: skip
     """Launch kernels/bwd_hopper.py on (B, H, L, E) views: dq through a zeroed float32
-    accumulator its programs add into, scaled and cast into ``dq`` after. Unplanned (host
+    accumulator its programs add into (each head's rows padded to whole query blocks),
+    scaled and cast into ``dq`` after. Unplanned (host
     descriptors hold the tensors' addresses)."""
     _plans.unplannable()
     keys = HALF_N.value
-    dq_acc = torch.zeros(lay.B * lay.H * lay.Lq, lay.D, device=q.device, dtype=torch.float32)
-    layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, lay.D], gl.float32)
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()),
-                               [cfg.block_m, lay.D], layout)  # fmt: skip
+    rows = _cdiv(lay.Lq, cfg.block_m) * cfg.block_m  # each head's, padded to whole blocks
+    dq_acc = torch.zeros(lay.B * lay.H * rows, lay.D, device=q.device, dtype=torch.float32)
+    dq_desc = _dq_descriptor(dq_acc, cfg.block_m)
     grid = (_cdiv(lay.Lk, 2 * keys), lay.B * lay.H)
     attn_bwd_hopper_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, keys), _descriptor(v, keys),
@@ -672,7 +682,7 @@ def _attn_bwd_hopper(q, k, v, do, lse, delta, dq, dk, dv, lay: _Layout, spec: Sp
         IS_CAUSAL=spec.causal_offset is not None, CONSUMER_REGS=cfg.regs, DQ_REGS=cfg.dq_regs,
         num_warps=4,
     )  # fmt: skip
-    dq.copy_(dq_acc.view(lay.B, lay.H, lay.Lq, lay.D).mul_(spec.scale))
+    dq.copy_(dq_acc.view(lay.B, lay.H, rows, lay.D)[:, :, : lay.Lq].mul_(spec.scale))
 
 
 def _bwd_launches(

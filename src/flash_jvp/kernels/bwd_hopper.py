@@ -198,8 +198,9 @@ def _dq_partition(args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
             dq = warpgroup_mma(ds_c, k_c, dq, use_acc=c > 0, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         mbarrier.arrive(ds_empty.index(b), count=1)
-        # dq_desc spans every (batch, head)'s rows: rows past Lq add this block's zeros
-        # (P = 0 there) into the next head's first rows, or are clipped after the last
+        # each (batch, head) owns a whole number of blocks of dq_desc's rows: rows past Lq
+        # land in its own padding, never in the next head's rows (with inf or NaN in k or
+        # v they would not be zero)
         _tma_reduce_add(dq_desc, [dq_row0 + (lo + j) * BLOCK_M, 0], dq)
 
 
@@ -212,9 +213,9 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            DQ_REGS: gl.constexpr):  # fmt: skip
     """dk, dv and this program's shares of dq for 128 keys of one (batch, head); see the
     module docstring. Descriptors are rank 4 over (B, H, L, E): q and do in blocks of BLOCK_M
-    rows, k and v of 64; dq_desc rank 2 over the float32 dq accumulator as (B H Lq, E),
-    blocks of BLOCK_M rows (dq = scale * the sum). LSE and DELTA: (B, H, Lq), rows
-    contiguous. CONSUMER_REGS, DQ_REGS: registers per thread (setmaxnreg) of consumer 1 and
+    rows, k and v of 64; dq_desc rank 2 over the float32 dq accumulator as (B H Lq', E)
+    with Lq' = Lq rounded up to BLOCK_M, blocks of BLOCK_M rows (dq = scale * the sum).
+    LSE and DELTA: (B, H, Lq), rows contiguous. CONSUMER_REGS, DQ_REGS: registers per thread (setmaxnreg) of consumer 1 and
     the dq partition (consumer 0, the default partition, gets what the others leave)."""
     start_n = gl.program_id(0) * 2 * HALF_N
     off_bh = gl.program_id(1)
@@ -255,7 +256,8 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
             scale, causal_offset, Lq, Lk)  # fmt: skip
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
                  q_ready, q_empty, off_b, off_h, start_n, lo, n_m)  # fmt: skip
-    dq_args = (ds_smem, k_smem, kv_bar, ds_full, ds_empty, dq_desc, off_bh * Lq, lo, n_m)
+    dq_rows = gl.cdiv(Lq, BLOCK_M) * BLOCK_M  # dq_desc's rows per (batch, head)
+    dq_args = (ds_smem, k_smem, kv_bar, ds_full, ds_empty, dq_desc, off_bh * dq_rows, lo, n_m)
     gl.warp_specialize(
         [
             (_dkdv_partition, (args, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
