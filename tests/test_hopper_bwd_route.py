@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_hopper_route import meta_qkv
 
 from flash_jvp import _ops
 from flash_jvp._utils import MAX_GRID_Y, Spec
@@ -24,12 +25,7 @@ def as_on_hopper(monkeypatch):
 
 def _route(B=2, H=2, H_KV=None, Lq=L + 1, Lk=L + 7, E=64, Ev=None, dtype=torch.bfloat16,
            mask=None, causal=False, expand_kv=False, do=True):  # fmt: skip
-    H_KV = H_KV or H
-    q = torch.empty(B, H, Lq, E, dtype=dtype, device="meta")
-    k = torch.empty(1 if expand_kv else B, H_KV, Lk, E, dtype=dtype, device="meta")
-    v = torch.empty(1 if expand_kv else B, H_KV, Lk, Ev or E, dtype=dtype, device="meta")
-    if expand_kv:
-        k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+    q, k, v = meta_qkv(B, H, H_KV, Lq, Lk, E, Ev, dtype, expand_kv)
     spec = Spec(scale=E**-0.5, causal_offset=Lk - Lq if causal else None)
     lay = _ops._Layout.of(q, k, v, spec)
     return _ops._hopper_bwd(lay, spec, mask, (q, k, v, torch.empty_like(q) if do else None))

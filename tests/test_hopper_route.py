@@ -20,14 +20,20 @@ def as_on_hopper(monkeypatch):
     monkeypatch.setattr(configs, "HOPPER", configs.HOPPER_COMPILED)
 
 
-def _route(B=2, H=2, H_KV=None, Lq=600, Lk=600, E=64, Ev=None, dtype=torch.bfloat16,
-           tangents="all", mask=None, mask_t=None, causal=False, expand_kv=False):  # fmt: skip
-    H_KV = H_KV or H
+def meta_qkv(B, H, H_KV, Lq, Lk, E, Ev, dtype, expand_kv):
+    """q, k, v as metadata tensors; with ``expand_kv`` k and v expanded over the batch (a
+    stride of 0)."""
     q = torch.empty(B, H, Lq, E, dtype=dtype, device="meta")
-    k = torch.empty(1 if expand_kv else B, H_KV, Lk, E, dtype=dtype, device="meta")
-    v = torch.empty(1 if expand_kv else B, H_KV, Lk, Ev or E, dtype=dtype, device="meta")
+    k = torch.empty(1 if expand_kv else B, H_KV or H, Lk, E, dtype=dtype, device="meta")
+    v = torch.empty(1 if expand_kv else B, H_KV or H, Lk, Ev or E, dtype=dtype, device="meta")
     if expand_kv:
         k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+    return q, k, v
+
+
+def _route(B=2, H=2, H_KV=None, Lq=600, Lk=600, E=64, Ev=None, dtype=torch.bfloat16,
+           tangents="all", mask=None, mask_t=None, causal=False, expand_kv=False):  # fmt: skip
+    q, k, v = meta_qkv(B, H, H_KV, Lq, Lk, E, Ev, dtype, expand_kv)
     ts = {"all": (q, k, v), "none": (None,) * 3, "q": (q, None, None)}[tangents]
     spec = Spec(scale=E**-0.5, causal_offset=0 if causal else None)
     lay = _ops._Layout.of(q, k, v, spec)

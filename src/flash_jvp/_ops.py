@@ -574,6 +574,10 @@ def attn_bwd_tangent(
     if dlse is not None:
         _plans.unplannable()  # updated in place
         delta -= dlse  # dS = P o (dP - delta) + P * dlse
+    hopper = None if tangent else _hopper_bwd(lay, spec, mask, (q4, k4, v4, do4))
+    if hopper is not None:  # one Gluon kernel instead of the Triton ones below
+        _attn_bwd_hopper(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, lay, spec, hopper)
+        return (*grads, None, None)  # no mask in its scope: no mask gradients
     if tangent and dmu is not None:  # dS_t gains P * dmu
         gamma = -dmu if do_t is None else gamma - dmu
     elif tangent and do_t is None:
@@ -600,10 +604,6 @@ def attn_bwd_tangent(
         _mask_args(mask, lay, mask_min, by_keys=True),
         _mask_args(mask, lay, mask_min, by_keys=False, grad=mask_grad or mask_t_grad),
     )
-    hopper = None if tangent else _hopper_bwd(lay, spec, mask, (q4, k4, v4, do4))
-    if hopper is not None:
-        _attn_bwd_hopper(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, lay, spec, hopper)
-        return (*grads, _cast(dmask, mask), _cast(dmask_t, mask))
     # dS_t reaches dmask_t only with a tangent of the scores; the TANGENT dQ kernel gives
     # dq_t and dmask_t beside dq (kernels/bwd.py)
     mask_t_grad = mask_t_grad and tangent_s
@@ -666,8 +666,8 @@ def _attn_bwd_hopper(q, k, v, do, lse, delta, dq, dk, dv, lay: _Layout, spec: Sp
                      cfg: configs.HopperBwdConfig) -> None:  # fmt: skip
     """Launch kernels/bwd_hopper.py on (B, H, L, E) views: dq through a zeroed float32
     accumulator its programs add into (each head's rows padded to whole query blocks),
-    scaled and cast into ``dq`` after. Unplanned (host
-    descriptors hold the tensors' addresses)."""
+    scaled and cast into ``dq`` after. Unplanned (host descriptors hold the tensors'
+    addresses)."""
     _plans.unplannable()
     keys = HALF_N.value
     rows = _cdiv(lay.Lq, cfg.block_m) * cfg.block_m  # each head's, padded to whole blocks

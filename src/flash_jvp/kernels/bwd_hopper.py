@@ -215,8 +215,9 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     module docstring. Descriptors are rank 4 over (B, H, L, E): q and do in blocks of BLOCK_M
     rows, k and v of 64; dq_desc rank 2 over the float32 dq accumulator as (B H Lq', E)
     with Lq' = Lq rounded up to BLOCK_M, blocks of BLOCK_M rows (dq = scale * the sum).
-    LSE and DELTA: (B, H, Lq), rows contiguous. CONSUMER_REGS, DQ_REGS: registers per thread (setmaxnreg) of consumer 1 and
-    the dq partition (consumer 0, the default partition, gets what the others leave)."""
+    LSE and DELTA: (B, H, Lq), rows contiguous. CONSUMER_REGS, DQ_REGS: registers per
+    thread (setmaxnreg) of consumer 1 and the dq partition (consumer 0, the default
+    partition, gets what the others leave)."""
     start_n = gl.program_id(0) * 2 * HALF_N
     off_bh = gl.program_id(1)
     off_b = off_bh // H
