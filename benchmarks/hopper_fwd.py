@@ -134,7 +134,8 @@ def main() -> int:
     return _write(args.out, "hopper-fwd", rows, lines)
 
 
-def _write(out: str, name: str, rows: list[dict], lines: list[str]) -> int:
+def _write(out: str, name: str, rows: list[dict], lines: list[str],
+           title: str = "Gluon forward vs Triton forward") -> int:  # fmt: skip
     """``<date>-<gpu>-<name>.{json,md}`` under ``out``."""
     meta = {"date": dt.date.today().isoformat(), **environment()}
     stem = f"{meta['date']}-{meta['gpu'].split()[1].lower()}-{name}"
@@ -142,7 +143,7 @@ def _write(out: str, name: str, rows: list[dict], lines: list[str]) -> int:
     with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(os.path.join(out, stem + ".md"), "w") as f:
-        f.write(f"# Gluon forward vs Triton forward\n\n{json.dumps(meta)}\n\n")
+        f.write(f"# {title}\n\n{json.dumps(meta)}\n\n")
         f.write("\n".join(lines) + "\n")
     return 0
 

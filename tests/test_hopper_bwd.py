@@ -48,7 +48,8 @@ def bwd_seen(monkeypatch) -> list[tuple[int, ...]]:
     return seen
 
 
-# name: (B, H, Lq, Lk, kwargs); E = 64, most lengths not multiples of the blocks
+# name: (B, H, Lq, Lk, kwargs); E: each of configs.HOPPER_BWD's, most lengths not multiples
+# of the blocks
 CASES = {
     "plain": (2, 2, 600, 600, {}),
     "odd": (1, 2, 777, 1000, {}),
@@ -65,10 +66,13 @@ CASES = {
 }
 
 
-def _inputs(case: str):
+HEAD_DIMS = sorted(configs.HOPPER_BWD)
+
+
+def _inputs(case: str, E: int):
     B, H, Lq, Lk, kw = CASES[case]
     kw = dict(kw)
-    q, k, v, tangents, do = qkv(B, H, H, Lq, Lk, 64, dtype=kw.pop("dtype", torch.bfloat16))
+    q, k, v, tangents, do = qkv(B, H, H, Lq, Lk, E, dtype=kw.pop("dtype", torch.bfloat16))
     if kw.pop("bhle", False):
         q, k, v, do = (_bhle(x) for x in (q, k, v, do))
     if kw.pop("bottom_right", False):
@@ -76,22 +80,24 @@ def _inputs(case: str):
     return q, k, v, tangents, do, kw
 
 
+@pytest.mark.parametrize("E", HEAD_DIMS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_float64(bwd_seen, case):
+def test_matches_float64(bwd_seen, case, E):
     """dq, dk, dv (and o, o_t, from the forwards) against float64."""
-    q, k, v, tangents, do, kw = _inputs(case)
+    q, k, v, tangents, do, kw = _inputs(case, E)
     assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, **kw)
     assert bwd_seen == [tuple(q.shape)]
 
 
-def test_past_the_shipped_threshold(monkeypatch):
+@pytest.mark.parametrize("E", HEAD_DIMS)
+def test_past_the_shipped_threshold(monkeypatch, E):
     """Lengths past configs.HOPPER_BWD_MIN_L take the route unforced; causal, not blocks'
     multiples."""
     L = configs.HOPPER_BWD_MIN_L + 33
     seen = []
     launch = _ops._attn_bwd_hopper
     monkeypatch.setattr(_ops, "_attn_bwd_hopper", lambda *a: seen.append(1) or launch(*a))
-    q, k, v, tangents, do = qkv(1, 2, 2, L, L, 64, dtype=torch.bfloat16)
+    q, k, v, tangents, do = qkv(1, 2, 2, L, L, E, dtype=torch.bfloat16)
     assert_matches_reference(flash_jvp.attention, q, k, v, tangents, do, is_causal=True)
     assert seen == [1]
 
@@ -103,11 +109,12 @@ def _grads_with_lse(q, k, v, do, dlse, causal):
     return torch.autograd.grad((o * do).sum() + (lse * dlse).sum(), leaves)
 
 
+@pytest.mark.parametrize("E", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_lse_cotangent(monkeypatch, bwd_seen, causal):
+def test_lse_cotangent(monkeypatch, bwd_seen, causal, E):
     """dS gains P * dlse (delta - dlse in the kernel): against float64, within twice the
     Triton kernels' error in the same dtype plus a floor."""
-    q, k, v, _, do = qkv(1, 2, 2, 700, 700, 64, dtype=torch.bfloat16)
+    q, k, v, _, do = qkv(1, 2, 2, 700, 700, E, dtype=torch.bfloat16)
     dlse = randn(1, 2, 700)
     ours = _grads_with_lse(q, k, v, do, dlse, causal)
     assert len(bwd_seen) == 1
@@ -116,7 +123,7 @@ def test_lse_cotangent(monkeypatch, bwd_seen, causal):
     triton = _grads_with_lse(q, k, v, do, dlse, causal)
     assert len(bwd_seen) == 1
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    s = leaves[0] @ leaves[1].transpose(-1, -2) * 64**-0.5
+    s = leaves[0] @ leaves[1].transpose(-1, -2) * E**-0.5
     if causal:
         s = s.masked_fill(torch.ones(700, 700, dtype=torch.bool, device=s.device).triu(1), -1e300)
     lse = torch.logsumexp(s, -1)
@@ -128,12 +135,13 @@ def test_lse_cotangent(monkeypatch, bwd_seen, causal):
         assert err <= bar, f"{name}: rel err {err:.3e} > {bar:.3e}"
 
 
+@pytest.mark.parametrize("E", HEAD_DIMS)
 @pytest.mark.parametrize("layout", ["aligned", "unaligned", "strided"])
-def test_poisoned_inputs(bwd_seen, layout):
+def test_poisoned_inputs(bwd_seen, layout, E):
     """q, k, v, do as slices of NaN-filled buffers, read through TMA where it can describe
     them (aligned), copied first otherwise: dk and dv bit for bit those of contiguous copies,
     dq equal but for its sums' order."""
-    clean = [randn(2, 2, 650, 64, dtype=torch.bfloat16) for _ in range(4)]
+    clean = [randn(2, 2, 650, E, dtype=torch.bfloat16) for _ in range(4)]
     runs = []
     for xs in (clean, [_poisoned(x, layout) for x in clean]):
         leaves = [x.detach().requires_grad_() for x in xs[:3]]
@@ -145,10 +153,11 @@ def test_poisoned_inputs(bwd_seen, layout):
     assert not dq2.isnan().any() and _check.rel_err(dq2, dq.double()) < 1e-2
 
 
-def test_heads_stay_apart(bwd_seen):
+@pytest.mark.parametrize("E", HEAD_DIMS)
+def test_heads_stay_apart(bwd_seen, E):
     """inf in one head's keys leaves the other heads' gradients as they are without it: dq's
     reductions of rows past Lq stay in their own head's padding (they are not zero there)."""
-    q, k, v, _, do = qkv(2, 2, 2, 650, 650, 64, dtype=torch.bfloat16)
+    q, k, v, _, do = qkv(2, 2, 2, 650, 650, E, dtype=torch.bfloat16)
     runs = []
     for bad in (False, True):
         leaves = [x.detach().clone() for x in (q, k, v)]
@@ -180,11 +189,11 @@ def test_deterministic_algorithms_keep_the_triton_kernels(bwd_seen):
 
 
 @pytest.mark.parametrize(
-    "case", ["e128", "gqa", "mask", "fp32", "varlen", "through_o_t", "expanded_kv"]
+    "case", ["e96", "gqa", "mask", "fp32", "varlen", "through_o_t", "expanded_kv"]
 )
 def test_not_taken(bwd_seen, case):
     """Outside its scope the Triton kernels run, and are right."""
-    E = 128 if case == "e128" else 64
+    E = 96 if case == "e96" else 64
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
     q, k, v, tangents, do = qkv(1, 4, 2 if case == "gqa" else 4, 300, 300, E, dtype=dtype)
     if case == "varlen":

@@ -31,10 +31,11 @@ def _route(B=2, H=2, H_KV=None, Lq=L + 1, Lk=L + 7, E=64, Ev=None, dtype=torch.b
     return _ops._hopper_bwd(lay, spec, mask, (q, k, v, torch.empty_like(q) if do else None))
 
 
+@pytest.mark.parametrize("E", sorted(configs.HOPPER_BWD))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_in_scope(causal, dtype):
-    assert _route(causal=causal, dtype=dtype) == configs.HOPPER_BWD[64]
+def test_in_scope(causal, dtype, E):
+    assert _route(causal=causal, dtype=dtype, E=E) == configs.HOPPER_BWD[E]
 
 
 @pytest.mark.parametrize(
@@ -42,7 +43,7 @@ def test_in_scope(causal, dtype):
     [
         {"Lq": L - 1},
         {"Lk": L - 1},
-        {"E": 128},
+        {"E": 96},
         {"E": 64, "Ev": 128},
         {"dtype": torch.float32},
         {"H": 4, "H_KV": 2},
@@ -55,7 +56,7 @@ def test_in_scope(causal, dtype):
     ids=[
         "short_q",
         "short_k",
-        "e128",
+        "e96",
         "ev_ne_e",
         "fp32",
         "gqa",

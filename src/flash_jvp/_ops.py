@@ -654,10 +654,9 @@ def _hopper_bwd(
     return chosen
 
 
-def _dq_descriptor(dq_acc: Tensor, rows: int) -> TensorDescriptor:
-    """A rank-2 TMA descriptor over the float32 dq accumulator (B H Lq', E), blocks of ``rows``
-    rows: the Gluon backward's reduction target."""
-    block = [rows, dq_acc.shape[1]]
+def _dq_descriptor(dq_acc: Tensor, block: list[int]) -> TensorDescriptor:
+    """A rank-2 TMA descriptor over the float32 dq accumulator, blocks of ``block``: the Gluon
+    backward's reduction target."""
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     return TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block, layout)
 
@@ -665,24 +664,30 @@ def _dq_descriptor(dq_acc: Tensor, rows: int) -> TensorDescriptor:
 def _attn_bwd_hopper(q, k, v, do, lse, delta, dq, dk, dv, lay: _Layout, spec: Spec,
                      cfg: configs.HopperBwdConfig) -> None:  # fmt: skip
     """Launch kernels/bwd_hopper.py on (B, H, L, E) views: dq through a zeroed float32
-    accumulator its programs add into (each head's rows padded to whole query blocks),
-    scaled and cast into ``dq`` after. Unplanned (host descriptors hold the tensors'
-    addresses)."""
+    accumulator its programs add into, (B H Lq', E) or with cfg.dq_transposed (B H E, Lq'),
+    each head's Lq' rows padded to whole query blocks; scaled and cast into ``dq`` after.
+    Unplanned (host descriptors hold the tensors' addresses)."""
     _plans.unplannable()
     keys = HALF_N.value
     rows = _cdiv(lay.Lq, cfg.block_m) * cfg.block_m  # each head's, padded to whole blocks
-    dq_acc = torch.zeros(lay.B * lay.H * rows, lay.D, device=q.device, dtype=torch.float32)
-    dq_desc = _dq_descriptor(dq_acc, cfg.block_m)
+    shape = (lay.B, lay.H, lay.D, rows) if cfg.dq_transposed else (lay.B, lay.H, rows, lay.D)
+    dq_acc = torch.zeros(shape, device=q.device, dtype=torch.float32)
+    flat = dq_acc.view(-1, shape[-1])
+    block = [lay.D, cfg.block_m] if cfg.dq_transposed else [cfg.block_m, lay.D]
     grid = (_cdiv(lay.Lk, 2 * keys), lay.B * lay.H)
     attn_bwd_hopper_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, keys), _descriptor(v, keys),
-        _descriptor(do, cfg.block_m), dq_desc, lse, delta, dk, dv, lse.stride(0), lse.stride(1),
-        *dk.stride()[:3], *dv.stride()[:3], spec.scale, spec.causal_offset or 0, lay.H, lay.Lq,
-        lay.Lk, HEAD_DIM=lay.D, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-        IS_CAUSAL=spec.causal_offset is not None, CONSUMER_REGS=cfg.regs, DQ_REGS=cfg.dq_regs,
+        _descriptor(do, cfg.block_m), _dq_descriptor(flat, block), lse, delta, dk, dv,
+        lse.stride(0), lse.stride(1), *dk.stride()[:3], *dv.stride()[:3], spec.scale,
+        spec.causal_offset or 0, lay.H, lay.Lq, lay.Lk, HEAD_DIM=lay.D, BLOCK_M=cfg.block_m,
+        STAGES=cfg.stages, IS_CAUSAL=spec.causal_offset is not None,
+        DQ_TRANSPOSED=cfg.dq_transposed, CONSUMER_REGS=cfg.regs, DQ_REGS=cfg.dq_regs,
         num_warps=4,
     )  # fmt: skip
-    dq.copy_(dq_acc.view(lay.B, lay.H, rows, lay.D)[:, :, : lay.Lq].mul_(spec.scale))
+    if cfg.dq_transposed:
+        dq.copy_(dq_acc[..., : lay.Lq].mul_(spec.scale).transpose(2, 3))
+    else:
+        dq.copy_(dq_acc[:, :, : lay.Lq].mul_(spec.scale))
 
 
 def _bwd_launches(

@@ -96,7 +96,7 @@ def _probs(s_t, offs_m, lse, offs_n, key0, row0, qk_scale, causal_offset, Lk,
 
 
 @gluon.jit
-def _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA, row_base, offs_n,
+def _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, lse_row, delta_row, offs_n,
                     key0, row0, j, qk_scale, causal_offset, Lq, Lk, HEAD_DIM: gl.constexpr,
                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                     col_s: gl.constexpr, a_layout: gl.constexpr):  # fmt: skip
@@ -104,8 +104,8 @@ def _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE, DELTA, 
     returns dS^T, dv and dk. Rows past Lq: lse +inf, so P = 0 (their q and dO read as 0)."""
     dtype: gl.constexpr = q_smem.dtype
     offs_m = row0 + gl.arange(0, BLOCK_M, layout=col_s)
-    lse = gl.load(LSE + row_base + offs_m, mask=offs_m < Lq, other=float("inf"))
-    delta = gl.load(DELTA + row_base + offs_m, mask=offs_m < Lq, other=0.0)
+    lse = gl.load(lse_row + offs_m, mask=offs_m < Lq, other=float("inf"))
+    delta = gl.load(delta_row + offs_m, mask=offs_m < Lq, other=0.0)
     s = j % STAGES
     mbarrier.wait(q_ready.index(s), (j // STAGES) & 1)
     q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
@@ -129,9 +129,8 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
     """Consumer C: keys start_n + C * 64 ... + 63; dS^T of each block into its half of a
     dS^T buffer; dk (scaled) and dv stored at the end."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_full, ds_empty, q_ready, q_empty,
-     LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
-     stride_dvh, stride_dvn, off_b, off_h, start_n, lo, n_m, scale, causal_offset, Lq,
-     Lk) = args  # fmt: skip
+     lse_row, delta_row, dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_m, scale,
+     causal_offset, Lq, Lk) = args  # fmt: skip
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -150,15 +149,14 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=o_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
-    row_base = off_b * stride_lb + off_h * stride_lh
 
     mbarrier.wait(kv_bar, 0)
     k = k_smem.index(C).reshape([HALF_N, HEAD_DIM])
     v = v_smem.index(C).reshape([HALF_N, HEAD_DIM])
     for j in range(n_m):
         row0 = (lo + j) * BLOCK_M
-        ds_t, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, LSE,
-                                       DELTA, row_base, offs_n, key0, row0, j, qk_scale,
+        ds_t, dv, dk = _block_products(k, v, q_smem, do_smem, q_ready, dv, dk, s_zero, lse_row,
+                                       delta_row, offs_n, key0, row0, j, qk_scale,
                                        causal_offset, Lq, Lk, HEAD_DIM, BLOCK_M, STAGES,
                                        IS_CAUSAL, col_s, a_layout)  # fmt: skip
         b = j % NB_DS
@@ -172,36 +170,51 @@ def _dkdv_partition(args, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.c
     rows = key0 + gl.arange(0, HALF_N, layout=row_o)
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
     keep_rows = gl.expand_dims(rows < Lk, 1)
-    dk_ptrs = DK + off_b * stride_dkb + off_h * stride_dkh + gl.expand_dims(rows, 1) * stride_dkn
-    dv_ptrs = DV + off_b * stride_dvb + off_h * stride_dvh + gl.expand_dims(rows, 1) * stride_dvn
-    gl.store(dk_ptrs + cols, (dk * scale).to(dtype), mask=keep_rows)
+    # one output's addresses at a time, dv's freed first: at HEAD_DIM 128 both outputs'
+    # addresses beside both accumulators spill
+    dv_ptrs = dv_head + gl.expand_dims(rows, 1) * stride_dvn
     gl.store(dv_ptrs + cols, dv.to(dtype), mask=keep_rows)
+    dk_ptrs = dk_head + gl.expand_dims(rows, 1) * stride_dkn
+    gl.store(dk_ptrs + cols, (dk * scale).to(dtype), mask=keep_rows)
 
 
 @gluon.jit
-def _dq_partition(args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _dq_partition(args, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  DQ_TRANSPOSED: gl.constexpr):  # fmt: skip
     """Per query block, once both consumers' dS^T halves are in buffer j % NB_DS: dq = dS K
-    over the 128 keys, the buffer released, dq added at its rows by a TMA reduction."""
+    over the 128 keys (DQ_TRANSPOSED: dq^T = K^T dS^T, as a warpgroup's product needs 64 rows
+    and BLOCK_M is less), the buffer released, dq added at its rows by a TMA reduction."""
     (ds_smem, k_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, lo, n_m) = args
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    if DQ_TRANSPOSED:
+        shape: gl.constexpr = [HEAD_DIM, BLOCK_M]
+    else:
+        shape: gl.constexpr = [BLOCK_M, HEAD_DIM]
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, shape[1], 16]
     )
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    dq_zero = gl.zeros(shape, gl.float32, layout=dq_layout)
     mbarrier.wait(kv_bar, 0)
     for j in range(n_m):
         b = j % NB_DS
         mbarrier.wait(ds_full.index(b), (j // NB_DS) & 1)
         dq = dq_zero
         for c in gl.static_range(2):  # each consumer's keys: dS[:, keys of c] K[keys of c]
-            ds_c = ds_smem.index(b).slice(c * HALF_N, HALF_N).permute((1, 0))
+            ds_c = ds_smem.index(b).slice(c * HALF_N, HALF_N)
             k_c = k_smem.index(c).reshape([HALF_N, HEAD_DIM])
-            dq = warpgroup_mma(ds_c, k_c, dq, use_acc=c > 0, is_async=True)
+            if DQ_TRANSPOSED:
+                dq = warpgroup_mma(k_c.permute((1, 0)), ds_c, dq, use_acc=c > 0, is_async=True)
+            else:
+                dq = warpgroup_mma(ds_c.permute((1, 0)), k_c, dq, use_acc=c > 0, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         mbarrier.arrive(ds_empty.index(b), count=1)
-        # each (batch, head) owns a whole number of blocks of dq_desc's rows: rows past Lq
-        # land in its own padding, never in the next head's rows (with inf or NaN in k or
-        # v they would not be zero)
-        _tma_reduce_add(dq_desc, [dq_row0 + (lo + j) * BLOCK_M, 0], dq)
+        # each (batch, head) owns a whole number of query blocks of dq_desc (rows, or
+        # transposed columns, from dq_row0): rows past Lq land in its own padding, never in
+        # the next head's rows (with inf or NaN in k or v they would not be zero)
+        row = (lo + j) * BLOCK_M
+        if DQ_TRANSPOSED:
+            _tma_reduce_add(dq_desc, [dq_row0, row], dq)
+        else:
+            _tma_reduce_add(dq_desc, [dq_row0 + row, 0], dq)
 
 
 @gluon.jit
@@ -209,12 +222,13 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                            stride_dvh, stride_dvn, scale, causal_offset, H, Lq, Lk,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                           IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           DQ_REGS: gl.constexpr):  # fmt: skip
+                           IS_CAUSAL: gl.constexpr, DQ_TRANSPOSED: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, DQ_REGS: gl.constexpr):  # fmt: skip
     """dk, dv and this program's shares of dq for 128 keys of one (batch, head); see the
     module docstring. Descriptors are rank 4 over (B, H, L, E): q and do in blocks of BLOCK_M
     rows, k and v of 64; dq_desc rank 2 over the float32 dq accumulator as (B H Lq', E)
-    with Lq' = Lq rounded up to BLOCK_M, blocks of BLOCK_M rows (dq = scale * the sum).
+    with Lq' = Lq rounded up to BLOCK_M, blocks of BLOCK_M rows (dq = scale * the sum), or
+    with DQ_TRANSPOSED (BLOCK_M < 64) over dq^T's as (B H E, Lq'), blocks of E x BLOCK_M.
     LSE and DELTA: (B, H, Lq), rows contiguous. CONSUMER_REGS, DQ_REGS: registers per
     thread (setmaxnreg) of consumer 1 and the dq partition (consumer 0, the default
     partition, gets what the others leave)."""
@@ -235,7 +249,9 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
     # both consumers' dS^T, read transposed by the dq partition's products
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
+    # rows of BLOCK_M 16-bit values: 128 bytes at 64 (the widest swizzle), 64 at 32
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_M,
+                                                   element_bitwidth=16)  # fmt: skip
     ds_smem = gl.allocate_shared_memory(dtype, [NB_DS, 2 * HALF_N, BLOCK_M], ds_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -251,20 +267,28 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(q_empty.index(s), count=2)  # one arrival per consumer
 
+    # this (batch, head)'s rows of lse, delta, dk and dv: fewer values live through the
+    # consumers' loop than with their strides (at HEAD_DIM 128 they spill)
+    lse_row = LSE + off_b * stride_lb + off_h * stride_lh
+    delta_row = DELTA + off_b * stride_lb + off_h * stride_lh
+    dk_head = DK + off_b * stride_dkb + off_h * stride_dkh
+    dv_head = DV + off_b * stride_dvb + off_h * stride_dvh
     args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, ds_full, ds_empty, q_ready,
-            q_empty, LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkh,
-            stride_dkn, stride_dvb, stride_dvh, stride_dvn, off_b, off_h, start_n, lo, n_m,
-            scale, causal_offset, Lq, Lk)  # fmt: skip
+            q_empty, lse_row, delta_row, dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo,
+            n_m, scale, causal_offset, Lq, Lk)  # fmt: skip
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
                  q_ready, q_empty, off_b, off_h, start_n, lo, n_m)  # fmt: skip
-    dq_rows = gl.cdiv(Lq, BLOCK_M) * BLOCK_M  # dq_desc's rows per (batch, head)
+    if DQ_TRANSPOSED:  # dq_desc's rows per (batch, head)
+        dq_rows = HEAD_DIM
+    else:
+        dq_rows = gl.cdiv(Lq, BLOCK_M) * BLOCK_M
     dq_args = (ds_smem, k_smem, kv_bar, ds_full, ds_empty, dq_desc, off_bh * dq_rows, lo, n_m)
     gl.warp_specialize(
         [
             (_dkdv_partition, (args, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
             (_dkdv_partition, (args, 1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
             (_load_partition, (load_args, BLOCK_M, STAGES)),
-            (_dq_partition, (dq_args, HEAD_DIM, BLOCK_M)),
+            (_dq_partition, (dq_args, HEAD_DIM, BLOCK_M, DQ_TRANSPOSED)),
         ],
         [4, 1, 4],
         [CONSUMER_REGS, 24, DQ_REGS],

@@ -182,13 +182,21 @@ class HopperBwdConfig(NamedTuple):
     regs: int
     dq_regs: int
 
+    @property
+    def dq_transposed(self) -> bool:
+        """dq's product as dq^T = K^T dS^T: a warpgroup's product needs 64 rows."""
+        return self.block_m < 64
+
 
 # HEAD_DIM -> the variant routed to (None: none). At E=64 against our dK/dV + dQ kernels, on
 # an H100 (results/2026-12-07-h100-gluon-bwd-dqwg-59318c6.md: the DQ_WG mode of the
 # prototype benchmarks/gluon_bwd.py, removed after 18b89b8),
 # L 4096 / 8192 non-causal then causal: 1.18 / 1.27, 1.14 / 1.22 (2 stages 1.14-1.22; 200
 # and 88 registers 1.13-1.24). Changed at run time, it needs _ops.forget_configs().
-HOPPER_BWD: dict[int, HopperBwdConfig] = {64: HopperBwdConfig(64, 3, 216, 72)}
+HOPPER_BWD: dict[int, HopperBwdConfig] = {
+    64: HopperBwdConfig(64, 3, 216, 72),
+    128: HopperBwdConfig(32, 3, 208, 72),
+}
 # Only where both lengths reach this (measured from 4096 up)
 HOPPER_BWD_MIN_L = 4096
 
