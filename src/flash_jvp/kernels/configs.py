@@ -195,7 +195,7 @@ class HopperBwdConfig(NamedTuple):
 # and 88 registers 1.13-1.24). Changed at run time, it needs _ops.forget_configs().
 HOPPER_BWD: dict[int, HopperBwdConfig] = {
     64: HopperBwdConfig(64, 3, 216, 72),
-    128: HopperBwdConfig(32, 3, 208, 72),
+    128: HopperBwdConfig(32, 3, 216, 64),
 }
 # Only where both lengths reach this (measured from 4096 up)
 HOPPER_BWD_MIN_L = 4096
