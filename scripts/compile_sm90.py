@@ -121,8 +121,8 @@ def _compile_report(kernel, sig, consts, attrs, options, source=ASTSource) -> st
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     smem = compiled.metadata.shared
     flags = (" SMEM>LIMIT" if smem > SMEM_LIMIT else "") + (" SPILLS" if stack else "")
-    if _loop_spills(sass):
-        flags += " LOOP-SPILLS"
+    if loop_spills := _loop_spills(sass):
+        flags += f" LOOP-SPILLS {loop_spills}"
     if "ttg.warp_specialize" in compiled.asm["ttgir"]:  # the loop was warp-specialised
         flags += " WARP-SPECIALISED"
     if ws_barriers.reinitialised(compiled.asm["ptx"]):  # undefined per PTX (kernels/ws_barriers.py)

@@ -20,6 +20,10 @@ import pytest
 from flash_jvp.kernels import configs
 
 _ROOT = Path(__file__).resolve().parents[1]
+# (the label's words after its dtype) -> the local loads and stores inside its loops of the
+# variant timed: the E=128 backward's 208/72 registers reload 3 values a block and ran
+# faster than 216/64 with none (benchmarks/results/2026-12-08-h100-hopper-bwd-5b689c1.md)
+LOOP_SPILLS_MEASURED = {("E128", "bwd_hopper"): 3}
 
 
 def test_every_offered_variant_compiles_without_loop_spills():
@@ -36,5 +40,7 @@ def test_every_offered_variant_compiles_without_loop_spills():
     assert len(reports) == 2 * n, run.stdout
     for label, res in reports:
         assert not res.startswith("ERROR"), f"{label}: {res}"
-        assert "LOOP-SPILLS" not in res, f"{label} spills in a loop: {res}"
+        spills = int(res.split("LOOP-SPILLS ")[1].split()[0]) if "LOOP-SPILLS" in res else 0
+        allowed = LOOP_SPILLS_MEASURED.get(tuple(label.split()[1:3]), 0)  # after the dtype
+        assert spills <= allowed, f"{label} spills in a loop: {res}"
         assert "SMEM>LIMIT" not in res and "WARP-SPECIALISED" in res, f"{label}: {res}"

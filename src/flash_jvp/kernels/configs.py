@@ -192,12 +192,18 @@ class HopperBwdConfig(NamedTuple):
 # an H100 (results/2026-12-07-h100-gluon-bwd-dqwg-59318c6.md: the DQ_WG mode of the
 # prototype benchmarks/gluon_bwd.py, removed after 18b89b8),
 # L 4096 / 8192 non-causal then causal: 1.18 / 1.27, 1.14 / 1.22 (2 stages 1.14-1.22; 200
-# and 88 registers 1.13-1.24). Changed at run time, it needs _ops.forget_configs().
+# and 88 registers 1.13-1.24). E=128 (dq transposed at BLOCK_M 32; benchmarks/hopper_bwd.py,
+# results/2026-12-08-h100-hopper-bwd-5b689c1.md): 1.03-1.20x the Triton kernels at L 4096-8192;
+# 216/64 registers (no local load in its loops) 1.04-1.18x, 2 stages 0.94-1.08x. Changed at
+# run time, it needs _ops.forget_configs().
 HOPPER_BWD: dict[int, HopperBwdConfig] = {
     64: HopperBwdConfig(64, 3, 216, 72),
-    128: HopperBwdConfig(32, 3, 216, 64),
+    128: HopperBwdConfig(32, 3, 208, 72),
 }
-# Only where both lengths reach this (measured from 4096 up)
+# Only where both lengths reach this: below it a fixed cost of the Gluon backward's calls
+# (~0.9 ms on the H100 at L 1024 and 2048 alike; most likely host time, not yet profiled)
+# outlasts the kernels: at L 2048 it ran 0.35-0.56x the Triton kernels' speed, at 4096
+# 1.03-1.18x (results/2026-12-08-h100-hopper-bwd-5b689c1.md)
 HOPPER_BWD_MIN_L = 4096
 
 
