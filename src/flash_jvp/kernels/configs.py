@@ -201,8 +201,8 @@ HOPPER_BWD: dict[int, HopperBwdConfig] = {
     128: HopperBwdConfig(32, 3, 208, 72),
 }
 # Only where both lengths reach this: below it a fixed cost of the Gluon backward's calls
-# (~0.9 ms on the H100 at L 1024 and 2048 alike; most likely host time, not yet profiled)
-# outlasts the kernels: at L 2048 it ran 0.35-0.56x the Triton kernels' speed, at 4096
+# (0.6-1.1 ms on the H100 at L 1024 and 2048 alike; most likely host time, not yet profiled)
+# outlasts the kernels: at L 2048 it ran 0.35-0.53x the Triton kernels' speed, at 4096
 # 1.03-1.18x (results/2026-12-08-h100-hopper-bwd-5b689c1.md)
 HOPPER_BWD_MIN_L = 4096
 
