@@ -137,10 +137,15 @@ def _loop_spills(sass: str) -> int:
     loop (stored before it, loaded after)."""
     code = [(int(m.group(1), 16), m.group(2)) for m in
             re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]  # fmt: skip
-    branches = [(at, re.match(r"@!?U?P\d+ BRA (0x[0-9a-f]+)", ins)) for at, ins in code]
+    # predicated branches only, by a guard (@P0 BRA) or an operand (BRA.U !UP0, ...): the
+    # unconditional ones include the partitions' dispatch, which spans the whole kernel
+    branch = re.compile(r"(?:@!?U?P\w+\s+BRA(?:\.\w+)*|BRA(?:\.\w+)*\s+!?U?P\w+,)\s+(0x[0-9a-f]+)")
+    branches = [(at, branch.match(ins)) for at, ins in code]
     loops = [(int(m.group(1), 16), at) for at, m in branches if m and int(m.group(1), 16) < at]
-    return sum(1 for at, ins in code if re.match(r"(LDL|STL)\b", ins)
-               and any(lo <= at <= hi for lo, hi in loops))  # fmt: skip
+    local = re.compile(r"(?:@!?U?P\w+\s+)?(?:LDL|STL)\b")
+    return sum(
+        1 for at, ins in code if local.match(ins) and any(lo <= at <= hi for lo, hi in loops)
+    )
 
 
 def _gluon_signature(kernel, descs: dict, pointers: dict) -> dict:

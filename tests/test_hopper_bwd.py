@@ -1,10 +1,11 @@
 """The Gluon warp-specialised backward (kernels/bwd_hopper.py) on Hopper: taken where
 _ops._hopper_bwd routes to it, dq, dk, dv right against float64 in every case it serves (odd
 lengths, causal with either alignment, rows and whole programs that see no key, keys fewer
-than a program's 128, (B, L, H, E) memory, fp16), with lse's cotangent, the same dk and dv
-bit for bit on poisoned, unaligned or strided inputs as on contiguous copies, heads kept
-apart, and not taken outside its scope (nor under torch.use_deterministic_algorithms: its
-dq sums in varying order; tests/test_hopper_bwd_route.py checks the routing on any machine).
+than a program's 128, (B, L, H, E) memory, fp16) at each HEAD_DIM it takes, with lse's
+cotangent, the same dk and dv on poisoned, unaligned or strided inputs as on contiguous
+copies (bit for bit but strided at E=128), heads kept apart, and not taken outside its
+scope (nor under torch.use_deterministic_algorithms: its dq sums in varying order;
+tests/test_hopper_bwd_route.py checks the routing on any machine).
 
 Its length threshold (configs.HOPPER_BWD_MIN_L) is lowered here so short cases exercise it;
 one case runs past the shipped threshold.
@@ -140,7 +141,7 @@ def test_lse_cotangent(monkeypatch, bwd_seen, causal, E):
 def test_poisoned_inputs(bwd_seen, layout, E):
     """q, k, v, do as slices of NaN-filled buffers, read through TMA where it can describe
     them (aligned), copied first otherwise: dk and dv bit for bit those of contiguous copies
-    (strided: equal to rounding; E=128 differed in the last bits on the H100, most likely
+    (strided at E=128: equal to rounding; it differed in the last bits on the H100, most likely
     through the preprocess, which reads dO as laid out, and Triton may order the sum
     delta = rowsum(o dO) by the contiguous dim), dq equal but for its sums' order."""
     clean = [randn(2, 2, 650, E, dtype=torch.bfloat16) for _ in range(4)]
@@ -152,7 +153,7 @@ def test_poisoned_inputs(bwd_seen, layout, E):
     assert len(bwd_seen) == 2
     (dq, dk, dv), (dq2, dk2, dv2) = runs
     for a, b in ((dk, dk2), (dv, dv2)):
-        if layout == "strided":
+        if layout == "strided" and E == 128:
             assert not b.isnan().any() and _check.rel_err(b, a.double()) < 1e-2
         else:
             assert torch.equal(a, b)
@@ -162,7 +163,8 @@ def test_poisoned_inputs(bwd_seen, layout, E):
 @pytest.mark.parametrize("E", HEAD_DIMS)
 def test_heads_stay_apart(bwd_seen, E):
     """inf in one head's keys leaves the other heads' gradients as they are without it: dq's
-    reductions of rows past Lq stay in their own head's padding (they are not zero there)."""
+    reductions stay in their own head's rows (rows past Lq in its padding: they are not zero
+    there; transposed, its E rows)."""
     q, k, v, _, do = qkv(2, 2, 2, 650, 650, E, dtype=torch.bfloat16)
     runs = []
     for bad in (False, True):

@@ -665,8 +665,8 @@ def _attn_bwd_hopper(q, k, v, do, lse, delta, dq, dk, dv, lay: _Layout, spec: Sp
                      cfg: configs.HopperBwdConfig) -> None:  # fmt: skip
     """Launch kernels/bwd_hopper.py on (B, H, L, E) views: dq through a zeroed float32
     accumulator its programs add into, (B H Lq', E) or with cfg.dq_transposed (B H E, Lq'),
-    each head's Lq' rows padded to whole query blocks; scaled and cast into ``dq`` after.
-    Unplanned (host descriptors hold the tensors' addresses)."""
+    each head's Lq' rows (transposed: columns) padded to whole query blocks; scaled and cast
+    into ``dq`` after. Unplanned (host descriptors hold the tensors' addresses)."""
     _plans.unplannable()
     keys = HALF_N.value
     rows = _cdiv(lay.Lq, cfg.block_m) * cfg.block_m  # each head's, padded to whole blocks

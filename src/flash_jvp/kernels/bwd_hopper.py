@@ -11,15 +11,16 @@ of one (batch, head):
   form P^T and dS^T in registers, accumulate dV += P^T dO and dK += dS^T Q (P^T and dS^T as
   register operands) and hand dS^T to shared memory (NB_DS buffers of both halves);
 - a 4-warp dq partition forms the block's dq = dS K over all 128 keys once both halves are
-  in, releases the buffer and adds dq into a float32 accumulator with a TMA reduction
+  in (as dq^T = K^T dS^T where BLOCK_M is under a warpgroup product's 64 rows), releases the
+  buffer and adds dq into a float32 accumulator with a TMA reduction
   (cp.reduce.async.bulk). The consumers never wait for each other, only for a free buffer.
 
 The dq reductions' order varies from run to run: dq is not bitwise deterministic (as
 FlashAttention's); dk and dv are. _ops._hopper_bwd routes here only where
 torch.are_deterministic_algorithms_enabled() is off.
 
-Scope (_ops._hopper_bwd falls back to kernels/bwd.py otherwise): fp16/bf16, HEAD_DIM 64 for
-q, k and v, no attn_mask, dense batches, no GQA, causal with either alignment, the primal
+Scope (_ops._hopper_bwd falls back to kernels/bwd.py otherwise): fp16/bf16, HEAD_DIM 64 or
+128 for q, k and v, no attn_mask, dense batches, no GQA, causal with either alignment, the primal
 backward only (no tangent terms), dk and dv under 2**31 elements.
 """
 
@@ -248,8 +249,10 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     do_smem = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
-    # both consumers' dS^T, read transposed by the dq partition's products
+    # both consumers' dS^T, the dq partition's operand (read transposed, or as stored with
+    # DQ_TRANSPOSED)
     # rows of BLOCK_M 16-bit values: 128 bytes at 64 (the widest swizzle), 64 at 32
+    gl.static_assert(BLOCK_M == 32 or BLOCK_M == 64, "BLOCK_M: 32 or 64")
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_M,
                                                    element_bitwidth=16)  # fmt: skip
     ds_smem = gl.allocate_shared_memory(dtype, [NB_DS, 2 * HALF_N, BLOCK_M], ds_layout)

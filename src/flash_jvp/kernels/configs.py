@@ -173,8 +173,8 @@ HOPPER_MIN_LK = SHORT_LK
 
 
 class HopperBwdConfig(NamedTuple):
-    """The Gluon warp-specialised backward (kernels/bwd_hopper.py): BLOCK_M query rows per
-    block, STAGES ring slots for q and dO; regs, dq_regs: registers per thread (setmaxnreg)
+    """The Gluon warp-specialised backward (kernels/bwd_hopper.py): BLOCK_M (32 or 64) query
+    rows per block, STAGES ring slots for q and dO; regs, dq_regs: registers per thread (setmaxnreg)
     of consumer 1 and the dq partition (the producer warp 24; consumer 0 gets the rest)."""
 
     block_m: int
