@@ -195,11 +195,10 @@ def hopper_bwd_reports() -> list[tuple[str, str]]:
     out = []
     for e, cfg in configs.HOPPER_BWD.items():
         x = torch.empty(2, 4, 1024, e, dtype=torch.bfloat16)
-        dq = ((torch.empty(2 * 4 * e, 1024), [e, cfg.block_m]) if cfg.dq_transposed
-              else (torch.empty(2 * 4 * 1024, e), [cfg.block_m, e]))  # fmt: skip
+        lay = _ops._Layout.of(x, x, x, Spec(scale=e**-0.5))
         descs = dict(q_desc=_ops._descriptor(x, cfg.block_m), k_desc=_ops._descriptor(x, 64),
                      v_desc=_ops._descriptor(x, 64), do_desc=_ops._descriptor(x, cfg.block_m),
-                     dq_desc=_ops._dq_descriptor(*dq))  # fmt: skip
+                     dq_desc=_ops._dq_accumulator(lay, cfg, x.device)[1])  # fmt: skip
         for causal in (False, True):
             consts = dict(HEAD_DIM=e, BLOCK_M=cfg.block_m, STAGES=cfg.stages, IS_CAUSAL=causal,
                           DQ_TRANSPOSED=cfg.dq_transposed, CONSUMER_REGS=cfg.regs,

@@ -389,27 +389,38 @@ def _hopper(
     scope: that module's docstring) or is not measured faster (configs.HOPPER). Inputs
     expanded over the batch or heads (a stride of 0) stay on the Triton forward, which reads
     them as they are: the Gluon forward would copy them out (_descriptor)."""
-    q, tangents = views[0], views[3:]
+    tangents = views[3:]
     if any(t is None for t in tangents) and any(t is not None for t in tangents):
         return None  # some tangents only: the Triton forward skips the missing ones' products
     chosen = configs.HOPPER.get((tangents[0] is not None, lay.D))
     if (
         chosen is None
-        or mask is not None
         or mask_t is not None
-        or spec.varlen
-        or lay.DV != lay.D
         or lay.Lk <= configs.HOPPER_MIN_LK
-        or lay.B * lay.H > MAX_GRID_Y
         # o's pointer offsets are 32-bit in the kernel (o is contiguous, as q's shape)
         or lay.B * lay.H * lay.Lq * lay.DV >= 2**31
+        or not _gluon_scope(lay, spec, mask, views)
+    ):
+        return None
+    return chosen
+
+
+def _gluon_scope(lay: _Layout, spec: Spec, mask: Tensor | None, views: tuple) -> bool:
+    """What the Gluon kernels (kernels/*_hopper.py) all need of (B, H, L, E) views ``views``
+    (None: absent): Hopper outside the interpreter, fp16/bf16, one head dim, no attn_mask,
+    dense batches, a grid's y within range, no input expanded with a stride of 0 (the
+    Triton kernels read those as they are; TMA descriptors would copy them out)."""
+    q = views[0]
+    return not (
+        mask is not None
+        or spec.varlen
+        or lay.DV != lay.D
+        or lay.B * lay.H > MAX_GRID_Y
         or INTERPRET
         or q.dtype not in (torch.float16, torch.bfloat16)
         or not _tma_capable(q.device)
         or any(_expanded(x) for x in views if x is not None)
-    ):
-        return None
-    return chosen
+    )
 
 
 def _expanded(x: Tensor) -> bool:
@@ -545,7 +556,6 @@ def attn_bwd_tangent(
         _plans.unplannable()  # zeroed in place
         zeros = (None if x is None else x.zero_() for x in grads)
         return (*zeros, _cast(dmask, mask), _cast(dmask_t, mask))
-    tiles = _tile_args(lay)
     lse = lse.contiguous()  # the kernels index it (and the other row statistics) by rows
     mu = mu.contiguous() if tangent_s else None
     delta = _empty(lse.shape, q, torch.float32)
@@ -578,6 +588,7 @@ def attn_bwd_tangent(
     if hopper is not None:  # one Gluon kernel instead of the Triton ones below
         _attn_bwd_hopper(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, lay, spec, hopper)
         return (*grads, None, None)  # no mask in its scope: no mask gradients
+    tiles = _tile_args(lay)
     if tangent and dmu is not None:  # dS_t gains P * dmu
         gamma = -dmu if do_t is None else gamma - dmu
     elif tangent and do_t is None:
@@ -630,64 +641,56 @@ def _hopper_bwd(
     module's docstring; configs.HOPPER_BWD; deterministic algorithms requested, as its dq
     sums in varying order)."""
     chosen = configs.HOPPER_BWD.get(lay.D)
-    q, do = views[0], views[3]
     if (
         chosen is None
-        or do is None
-        or mask is not None
-        or spec.varlen
-        or lay.DV != lay.D
+        or views[3] is None  # lse's cotangent alone
         or lay.H_KV != lay.H
         or min(lay.Lq, lay.Lk) < configs.HOPPER_BWD_MIN_L
-        or lay.B * lay.H > MAX_GRID_Y
         # dk's and dv's pointer offsets (fresh contiguous buffers) and dq's TMA row
         # coordinates are 32-bit in the kernel
         or lay.B * lay.H * max(lay.Lq, lay.Lk) * lay.D >= 2**31
-        or INTERPRET
-        or q.dtype not in (torch.float16, torch.bfloat16)
-        or not _tma_capable(q.device)
         or torch.are_deterministic_algorithms_enabled()
-        # as the forward (_hopper): broadcast views stay on the Triton kernels
-        or any(_expanded(x) for x in views if x is not None)
+        or not _gluon_scope(lay, spec, mask, views)
     ):
         return None
     return chosen
 
 
-def _dq_descriptor(dq_acc: Tensor, block: list[int]) -> TensorDescriptor:
-    """A rank-2 TMA descriptor over the float32 dq accumulator, blocks of ``block``: the Gluon
-    backward's reduction target."""
+def _dq_accumulator(lay: _Layout, cfg: configs.HopperBwdConfig,
+                    device: torch.device) -> tuple[Tensor, TensorDescriptor]:  # fmt: skip
+    """The Gluon backward's zeroed float32 dq accumulator, (B, H, Lq', E) or with
+    cfg.dq_transposed (B, H, E, Lq'), each head's Lq' rows (transposed: columns) padded to
+    whole query blocks, and the rank-2 TMA descriptor its programs reduce into (rows
+    flattened over batch and heads)."""
+    rows = _cdiv(lay.Lq, cfg.block_m) * cfg.block_m
+    shape = (lay.B, lay.H, lay.D, rows) if cfg.dq_transposed else (lay.B, lay.H, rows, lay.D)
+    block = [lay.D, cfg.block_m] if cfg.dq_transposed else [cfg.block_m, lay.D]
+    dq_acc = torch.zeros(shape, device=device, dtype=torch.float32)
+    flat = dq_acc.view(-1, shape[-1])
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    return TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block, layout)
+    return dq_acc, TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
 
 
 def _attn_bwd_hopper(q, k, v, do, lse, delta, dq, dk, dv, lay: _Layout, spec: Spec,
                      cfg: configs.HopperBwdConfig) -> None:  # fmt: skip
-    """Launch kernels/bwd_hopper.py on (B, H, L, E) views: dq through a zeroed float32
-    accumulator its programs add into, (B H Lq', E) or with cfg.dq_transposed (B H E, Lq'),
-    each head's Lq' rows (transposed: columns) padded to whole query blocks; scaled and cast
-    into ``dq`` after. Unplanned (host descriptors hold the tensors' addresses)."""
+    """Launch kernels/bwd_hopper.py on (B, H, L, E) views: dq through a float32 accumulator
+    its programs add into (_dq_accumulator), scaled and cast into ``dq`` after in one pass.
+    Unplanned (host descriptors hold the tensors' addresses)."""
     _plans.unplannable()
     keys = HALF_N.value
-    rows = _cdiv(lay.Lq, cfg.block_m) * cfg.block_m  # each head's, padded to whole blocks
-    shape = (lay.B, lay.H, lay.D, rows) if cfg.dq_transposed else (lay.B, lay.H, rows, lay.D)
-    dq_acc = torch.zeros(shape, device=q.device, dtype=torch.float32)
-    flat = dq_acc.view(-1, shape[-1])
-    block = [lay.D, cfg.block_m] if cfg.dq_transposed else [cfg.block_m, lay.D]
+    dq_acc, dq_desc = _dq_accumulator(lay, cfg, q.device)
     grid = (_cdiv(lay.Lk, 2 * keys), lay.B * lay.H)
     attn_bwd_hopper_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, keys), _descriptor(v, keys),
-        _descriptor(do, cfg.block_m), _dq_descriptor(flat, block), lse, delta, dk, dv,
+        _descriptor(do, cfg.block_m), dq_desc, lse, delta, dk, dv,
         lse.stride(0), lse.stride(1), *dk.stride()[:3], *dv.stride()[:3], spec.scale,
         spec.causal_offset or 0, lay.H, lay.Lq, lay.Lk, HEAD_DIM=lay.D, BLOCK_M=cfg.block_m,
         STAGES=cfg.stages, IS_CAUSAL=spec.causal_offset is not None,
         DQ_TRANSPOSED=cfg.dq_transposed, CONSUMER_REGS=cfg.regs, DQ_REGS=cfg.dq_regs,
         num_warps=4,
     )  # fmt: skip
-    if cfg.dq_transposed:
-        dq.copy_(dq_acc[..., : lay.Lq].mul_(spec.scale).transpose(2, 3))
-    else:
-        dq.copy_(dq_acc[:, :, : lay.Lq].mul_(spec.scale))
+    acc = dq_acc[..., : lay.Lq].transpose(2, 3) if cfg.dq_transposed else dq_acc[:, :, : lay.Lq]
+    torch.mul(acc, spec.scale, out=dq)  # float32 product rounded once into dq's dtype
 
 
 def _bwd_launches(
